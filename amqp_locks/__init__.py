@@ -1,0 +1,27 @@
+"""amqp_locks: distributed semaphores and locks backed by RabbitMQ.
+
+The sync API (pika, with a background I/O thread per connection)::
+
+    from amqp_locks import Semaphore, SemaphoreAdmin, Mutex
+
+    SemaphoreAdmin("reports", url=url).ensure(3)
+    with Semaphore("reports", url=url).acquire(timeout=5) as lease:
+        ...
+
+The asyncio API has the same names in :mod:`amqp_locks.aio`.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._sync.admin import SemaphoreAdmin
+from ._sync.connection import Connection
+from ._sync.semaphore import Lease, Mutex, Semaphore
+
+__all__ = ["Connection", "Lease", "Mutex", "Semaphore", "SemaphoreAdmin", "__version__", "errors"]
+
+__version__ = "0.1.0"
+
+for _obj in (Connection, Lease, Mutex, Semaphore, SemaphoreAdmin):
+    _obj.__module__ = __name__
+del _obj

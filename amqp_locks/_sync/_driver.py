@@ -1,0 +1,743 @@
+"""The pika driver: runs flows on a SelectConnection owned by a dedicated I/O thread.
+
+Why a thread: pika's BlockingConnection services heartbeats only while the caller is inside a
+pika call, so a holder working for a minute inside ``with lease:`` would be dropped by the broker
+and its slot taken by another client without anyone noticing (pika #418, #564, #752, #1104).
+Here the I/O thread runs the ioloop all the time: heartbeats flow, the broker's connection close
+reaches us at once, and held leases are re-verified every ``verify_interval`` seconds.
+
+Every flow runs entirely inside the I/O thread, stepped from pika callbacks; the calling thread
+waits for one future per public call. All state below is touched only by the I/O thread, except
+where a method says it is thread-safe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pika
+import pika.exceptions
+
+from .. import _flows
+from .._common import LeaseState
+from .._config import ConnectionSettings
+from ..errors import (
+    AccessRefusedError,
+    AmqpLocksError,
+    BrokerError,
+    BrokerTimeoutError,
+    BrokerUnavailableError,
+    ProbeNackedError,
+    QueueMismatchError,
+)
+
+log = logging.getLogger("amqp_locks.sync")
+T = TypeVar("T")
+Done = Callable[[Any, BaseException | None], None]
+
+_RESOURCE_LOCKED = 405
+_WAKE_HOPS = 16  # a token nobody here waits for is passed on at most this many times
+_WAKE_RETRY = 5.0  # after a failed consume (no wake queue), fall back to polling this long
+
+
+class OperationCancelled(AmqpLocksError):
+    """The caller stopped waiting for a flow (e.g. KeyboardInterrupt); it was aborted."""
+
+
+def map_close(reason: object, queue: str | None) -> BrokerError:
+    """Turn pika's reason for a channel or connection closing into our error."""
+    if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+        code, text = reason.reply_code, reason.reply_text
+        if code == 406 and queue is not None:
+            return QueueMismatchError(queue, text)
+        if code == 403:
+            return AccessRefusedError(f"broker refused access: {text}")
+        return BrokerUnavailableError(f"broker closed the channel: {code} {text}")
+    return BrokerUnavailableError(f"connection to the broker lost: {reason!r}")
+
+
+class _ProbeBatch:
+    def __init__(
+        self, size: int, done: Callable[[tuple[bool, ...] | None, BaseException | None], None]
+    ) -> None:
+        self.found = [True] * size
+        self.remaining = size
+        self.done = done
+        self.finished = False
+
+    def settle(self, index: int, error: BaseException | None) -> None:
+        if self.finished:
+            return
+        if error is not None:
+            self.finished = True
+            self.done(None, error)
+            return
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.finished = True
+            self.done(tuple(self.found), None)
+
+
+class _Channel:
+    """A confirm-mode channel: any number of probes in flight, one RPC at a time."""
+
+    def __init__(self, io: _IO, on_ready: Callable[[_Channel], None]) -> None:
+        self.io = io
+        self.usable = False
+        self.closed = False
+        self._tags = itertools.count(1)
+        self._probes: dict[int, tuple[_ProbeBatch, int, str] | None] = {}
+        self._rpc_fail: Callable[[object], None] | None = None
+        self._on_ready: Callable[[_Channel], None] | None = on_ready
+        self.ch: Any = io.conn.channel(on_open_callback=self._opened)
+
+    def _opened(self, ch: Any) -> None:
+        ch.add_on_close_callback(self._closed)
+        ch.add_on_return_callback(self._returned)
+        ch.confirm_delivery(ack_nack_callback=self._confirmed, callback=self._confirm_ok)
+
+    def _confirm_ok(self, _frame: Any) -> None:
+        self.usable = True
+        ready, self._on_ready = self._on_ready, None
+        if ready is not None:
+            ready(self)
+
+    def _closed(self, _ch: Any, reason: object) -> None:
+        self.usable = False
+        self.closed = True
+        self.io.channel_closed(self)
+        fail, self._rpc_fail = self._rpc_fail, None
+        if fail is not None:
+            fail(reason)
+        probes, self._probes = self._probes, {}
+        error = map_close(reason, None)
+        for entry in probes.values():
+            if entry is not None:
+                entry[0].settle(entry[1], error)
+
+    def close(self) -> None:
+        self.usable = False
+        if not self.closed and self.ch.is_open:
+            self.ch.close()
+
+    # -- probes and notifications --------------------------------------------------------------
+
+    def probe(
+        self,
+        queues: tuple[str, ...],
+        done: Callable[[tuple[bool, ...] | None, BaseException | None], None],
+    ) -> None:
+        batch = _ProbeBatch(len(queues), done)
+        for index, queue in enumerate(queues):
+            tag = next(self._tags)
+            self._probes[tag] = (batch, index, queue)
+            self.ch.basic_publish(
+                exchange="",
+                routing_key=queue,
+                body=b"",
+                properties=pika.BasicProperties(message_id=str(tag)),
+                mandatory=True,
+            )
+
+    def notify(self, queue: str, count: int, hops: int = 0) -> None:
+        for _ in range(count):
+            self._probes[next(self._tags)] = None
+            self.ch.basic_publish(exchange="", routing_key=queue, body=str(hops).encode())
+
+    def _returned(self, _ch: Any, _method: Any, properties: Any, _body: bytes) -> None:
+        # A mandatory publish nobody could route comes back before its ack (AMQP 0-9-1).
+        try:
+            entry = self._probes.get(int(properties.message_id))
+        except (TypeError, ValueError):
+            return
+        if entry is not None:
+            entry[0].found[entry[1]] = False
+
+    def _confirmed(self, frame: Any) -> None:
+        method = frame.method
+        tag = method.delivery_tag
+        tags = [t for t in self._probes if t <= tag] if method.multiple else [tag]
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        for t in tags:
+            entry = self._probes.pop(t, None)
+            if entry is not None:
+                entry[0].settle(entry[1], ProbeNackedError(entry[2]) if nacked else None)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    def declare(
+        self,
+        queue: str,
+        *,
+        durable: bool,
+        exclusive: bool,
+        arguments: dict[str, Any],
+        ok: Callable[[], None],
+        fail: Callable[[object], None],
+    ) -> None:
+        self._rpc_fail = fail
+
+        def declared(_frame: Any) -> None:
+            self._rpc_fail = None
+            ok()
+
+        self.ch.queue_declare(
+            queue=queue,
+            durable=durable,
+            exclusive=exclusive,
+            arguments=arguments,
+            callback=declared,
+        )
+
+    def delete(self, queue: str, *, ok: Callable[[], None], fail: Callable[[object], None]) -> None:
+        self._rpc_fail = fail
+
+        def deleted(_frame: Any) -> None:
+            self._rpc_fail = None
+            ok()
+
+        self.ch.queue_delete(queue=queue, callback=deleted)
+
+
+class _Run:
+    """One flow being stepped by the I/O thread."""
+
+    def __init__(self, io: _IO, flow: _flows.Flow[Any], done: Done) -> None:
+        self.io = io
+        self.flow = flow
+        self.done = done
+        self.channel: _Channel | None = None
+        self.claimed: set[str] = set()
+        self.timer: Any = None
+        self.waiting: tuple[_Wake, _Waiter] | None = None
+        self.finished = False
+        self.cancelled = False
+
+    def step(self, value: Any) -> None:
+        if self.finished:
+            return
+        self.disarm()
+        if self.cancelled:
+            self.abort(OperationCancelled("the caller stopped waiting"))
+            return
+        try:
+            op = self.flow.send(value)
+        except StopIteration as stop:
+            self._finish(stop.value, None)
+        except BaseException as exc:  # the flow's own verdict, passed to the caller
+            self._finish(None, exc)
+        else:
+            self.io.execute(self, op)
+
+    def later(self, value: Any) -> None:
+        self.io.call_later(0, lambda: self.step(value))
+
+    def abort(self, error: BaseException) -> None:
+        if self.finished:
+            return
+        self.flow.close()
+        self._finish(None, error)
+
+    def arm(self, what: str) -> None:
+        seconds = self.io.settings.operation_timeout
+
+        def expired() -> None:
+            self.timer = None
+            if self.channel is not None:
+                # The channel's state is unknown now; never reuse it.
+                self.channel.close()
+                self.channel = None
+            self.abort(BrokerTimeoutError(f"the broker did not answer {what} in {seconds:g} s"))
+
+        self.timer = self.io.call_later(seconds, expired)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.io.remove_timeout(self.timer)
+            self.timer = None
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self.finished = True
+        self.disarm()
+        if self.waiting is not None:
+            wake, waiter = self.waiting
+            self.io.unwait(wake, waiter)
+        if error is not None:
+            # Whatever exclusive queue the aborted flow still holds would otherwise stay held
+            # by this live connection until it closes: a leaked slot.
+            for queue in self.claimed:
+                self.io.discard_claim(queue)
+        self.io.run_finished(self)
+        try:
+            self.done(result, error)
+        except Exception:
+            log.exception("flow completion callback raised")
+
+
+class _Waiter:
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.timer: Any = None
+
+
+class _Wake:
+    """The consumer of one semaphore's wake queue, active only while someone here waits."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self.waiters: deque[_Waiter] = deque()
+        self.channel: Any = None
+        self.tag: str | None = None
+        self.busy = False
+        self.failed_until = 0.0
+
+
+class _IO:
+    """One pika SelectConnection and the thread that services it."""
+
+    def __init__(self, settings: ConnectionSettings) -> None:
+        self.settings = settings
+        self.conn: Any = None
+        self.dead = False
+        self.dead_reason = ""
+        self.claims: set[str] = set()
+        self.leases: set[LeaseState[Any]] = set()
+        self._runs: set[_Run] = set()
+        self._pool: list[_Channel] = []
+        self._wakes: dict[str, _Wake] = {}
+        self._verify_timer: Any = None
+        self._opened = threading.Event()
+        self._open_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._main, name=f"amqp_locks-io-{settings.client_id}", daemon=True
+        )
+
+    # -- lifecycle (thread-safe) ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._opened.wait(self.settings.connect_timeout + 1.0):
+            self._threadsafe(self._force_close)
+            raise BrokerUnavailableError(
+                f"could not connect to {self.settings.url_for_humans} within "
+                f"{self.settings.connect_timeout:g} s; is the broker running and reachable?"
+            )
+        if self._open_error is not None:
+            raise self._open_error
+
+    def _main(self) -> None:
+        params = pika.URLParameters(self.settings.url)
+        params.heartbeat = self.settings.heartbeat
+        params.socket_timeout = self.settings.connect_timeout
+        params.stack_timeout = self.settings.connect_timeout
+        params.blocked_connection_timeout = self.settings.operation_timeout
+        params.connection_attempts = 1
+        params.client_properties = {
+            "connection_name": self.settings.connection_name,
+            "product": "amqp_locks",
+        }
+        try:
+            self.conn = pika.SelectConnection(
+                params,
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_close,
+            )
+            self.conn.ioloop.start()
+        except BaseException as exc:  # the thread must never die with callers waiting on it
+            log.exception("amqp_locks I/O thread crashed")
+            self._open_error = self._open_error or BrokerUnavailableError(
+                f"I/O thread crashed: {exc!r}"
+            )
+            self._opened.set()
+            self._connection_lost(f"I/O thread crashed: {exc!r}")
+
+    def _on_open(self, _conn: Any) -> None:
+        log.debug(
+            "connected to %s as %r", self.settings.url_for_humans, self.settings.connection_name
+        )
+        self._opened.set()
+        self._schedule_verify()
+
+    def _on_open_error(self, _conn: Any, error: object) -> None:
+        self.dead = True
+        self._open_error = BrokerUnavailableError(
+            f"could not connect to {self.settings.url_for_humans}: {error}; is the broker "
+            "running, and are the credentials and vhost right?"
+        )
+        self._opened.set()
+        self.conn.ioloop.stop()
+
+    def _on_close(self, _conn: Any, reason: object) -> None:
+        self._connection_lost(f"connection closed: {reason}")
+        self.conn.ioloop.stop()
+
+    def _connection_lost(self, reason: str) -> None:
+        self.dead = True
+        self.dead_reason = self.dead_reason or reason
+        for lease in list(self.leases):
+            lease.mark_lost(reason)
+        self.leases.clear()
+        error = BrokerUnavailableError(f"lost the broker connection: {reason}")
+        for run in list(self._runs):
+            run.abort(error)
+
+    def _force_close(self) -> None:
+        self.dead = True
+        if self.conn is not None and not (self.conn.is_closed or self.conn.is_closing):
+            self.conn.close()
+        elif self.conn is not None:
+            self.conn.ioloop.stop()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the connection (frees every slot it held) and stop the thread."""
+
+        def shutdown() -> None:
+            # In the I/O thread, after any pending track(): every lease is seen here.
+            for lease in list(self.leases):
+                lease.mark_released()
+            self.leases.clear()
+            self._force_close()
+
+        self._threadsafe(shutdown)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _threadsafe(self, callback: Callable[[], None]) -> None:
+        try:
+            self.conn.ioloop.add_callback_threadsafe(callback)
+        except Exception:  # loop already gone: nothing left to do there
+            log.debug("I/O loop gone; dropped a callback", exc_info=True)
+
+    def submit(
+        self, flow: _flows.Flow[T]
+    ) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+        """Start ``flow`` in the I/O thread (thread-safe). Returns its future and a canceller."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        run = _Run(self, flow, done)
+
+        def start() -> None:
+            if self.dead:
+                run.abort(BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
+                return
+            self._runs.add(run)
+            run.step(None)
+
+        def cancel() -> None:
+            run.cancelled = True
+            self._threadsafe(lambda: run.abort(OperationCancelled("the caller stopped waiting")))
+
+        if self.dead:
+            done(None, BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
+        else:
+            self._threadsafe(start)
+        return future, cancel
+
+    def track(self, lease: LeaseState[Any]) -> None:
+        """Watch a new lease for loss (thread-safe)."""
+
+        def add() -> None:
+            if self.dead:
+                lease.mark_lost(self.dead_reason or "connection closed")
+            elif lease.held:
+                self.leases.add(lease)
+
+        self._threadsafe(add)
+        if self.dead:
+            lease.mark_lost(self.dead_reason or "connection closed")
+
+    def untrack(self, lease: LeaseState[Any]) -> None:
+        self._threadsafe(lambda: self.leases.discard(lease))
+
+    # -- helpers for runs (I/O thread) ----------------------------------------------------------
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Any:
+        return self.conn.ioloop.call_later(max(seconds, 0.0), callback)
+
+    def remove_timeout(self, handle: Any) -> None:
+        self.conn.ioloop.remove_timeout(handle)
+
+    def run_finished(self, run: _Run) -> None:
+        self._runs.discard(run)
+        channel, run.channel = run.channel, None
+        if channel is not None and channel.usable:
+            self._pool.append(channel)
+
+    def channel_closed(self, channel: _Channel) -> None:
+        if channel in self._pool:
+            self._pool.remove(channel)
+
+    def discard_claim(self, queue: str) -> None:
+        """Forget an exclusive queue an aborted flow holds, deleting it on the broker."""
+        self.claims.discard(queue)
+        if self.dead:
+            return
+        try:
+            self.conn.channel(
+                on_open_callback=lambda ch: ch.queue_delete(
+                    queue=queue, callback=lambda _f: ch.close()
+                )
+            )
+        except Exception:
+            log.warning("could not delete orphaned queue %r", queue, exc_info=True)
+
+    def _with_channel(self, run: _Run, then: Callable[[_Channel], None]) -> None:
+        if run.channel is not None and run.channel.usable:
+            then(run.channel)
+            return
+        while self._pool:
+            channel = self._pool.pop()
+            if channel.usable:
+                run.channel = channel
+                then(channel)
+                return
+        run.arm("a channel open")
+
+        def ready(channel: _Channel) -> None:
+            if run.finished:
+                self._pool.append(channel)
+                return
+            run.disarm()
+            run.channel = channel
+            then(channel)
+
+        _Channel(self, ready)
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def execute(self, run: _Run, op: _flows.Op) -> None:
+        if isinstance(op, _flows.Sleep):
+            run.timer = self.call_later(op.seconds, lambda: run.step(None))
+        elif isinstance(op, _flows.AwaitWake):
+            self._await_wake(run, op)
+        elif isinstance(op, _flows.DeclareHolder) and op.queue in self.claims:
+            # This connection holds it already (another thread's lease): to the broker that
+            # would be a successful re-declare, so the exclusivity is ours to keep.
+            run.later(_flows.Claim.LOST)
+        else:
+            self._with_channel(run, lambda channel: self._send(run, channel, op))
+
+    def _send(self, run: _Run, channel: _Channel, op: _flows.Op) -> None:
+        if isinstance(op, _flows.Probe):
+            run.arm("an existence probe")
+
+            def probed(found: tuple[bool, ...] | None, error: BaseException | None) -> None:
+                if error is not None:
+                    run.abort(error)
+                else:
+                    run.step(found)
+
+            channel.probe(op.queues, probed)
+        elif isinstance(op, _flows.DeclareHolder):
+            self._declare_holder(run, channel, op)
+        elif isinstance(op, _flows.DeclareDurable):
+            durable_queue = op.queue
+            run.arm(f"the declare of {durable_queue!r}")
+            channel.declare(
+                durable_queue,
+                durable=True,
+                exclusive=False,
+                arguments=op.arguments,
+                ok=lambda: run.step(None),
+                fail=lambda reason: run.abort(map_close(reason, durable_queue)),
+            )
+        elif isinstance(op, _flows.Delete):
+            doomed = op.queue
+
+            def deleted() -> None:
+                self.claims.discard(doomed)
+                run.claimed.discard(doomed)
+                run.step(None)
+
+            run.arm(f"the delete of {doomed!r}")
+            channel.delete(
+                doomed, ok=deleted, fail=lambda reason: run.abort(map_close(reason, doomed))
+            )
+        elif isinstance(op, _flows.Notify):
+            channel.notify(op.queue, op.count)
+            run.later(None)
+        else:  # pragma: no cover - the Op union is closed
+            raise AssertionError(f"unknown operation {op!r}")
+
+    def _declare_holder(self, run: _Run, channel: _Channel, op: _flows.DeclareHolder) -> None:
+        queue, verify = op.queue, op.verify
+        self.claims.add(queue)
+        run.claimed.add(queue)
+        declared = False
+
+        def lost_race(reason: object) -> None:
+            self.claims.discard(queue)
+            run.claimed.discard(queue)
+            run.channel = None
+            if (
+                isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+                and reason.reply_code == _RESOURCE_LOCKED
+            ):
+                run.step(_flows.Claim.LOST)
+            else:
+                run.abort(map_close(reason, queue))
+
+        def ok() -> None:
+            nonlocal declared
+            declared = True
+            if verify is None:
+                run.step(_flows.Claim.HELD)
+
+        def verified(found: tuple[bool, ...] | None, error: BaseException | None) -> None:
+            if error is not None:
+                if declared:  # a lost race is reported by lost_race, not here
+                    run.abort(error)
+            elif found is not None:
+                run.step(_flows.Claim.HELD if found[0] else _flows.Claim.STALE)
+
+        run.arm(f"the declare of {queue!r}")
+        channel.declare(
+            queue,
+            durable=False,
+            exclusive=True,
+            arguments={**_flows.HOLDER_ARGUMENTS, _flows.HOLDER_ID_ARGUMENT: op.holder_id},
+            ok=ok,
+            fail=lost_race,
+        )
+        if verify is not None:
+            # Pipelined behind the declare on the same channel: the broker answers it after
+            # the declare, and pika does not hold publishes back behind a pending RPC.
+            channel.probe((verify,), verified)
+
+    # -- waking ---------------------------------------------------------------------------------
+
+    def _await_wake(self, run: _Run, op: _flows.AwaitWake) -> None:
+        wake = self._wakes.get(op.queue)
+        if wake is None:
+            wake = self._wakes[op.queue] = _Wake(op.queue)
+        waiter = _Waiter(run)
+        wake.waiters.append(waiter)
+        run.waiting = (wake, waiter)
+
+        def timed_out() -> None:
+            waiter.timer = None
+            self._resume(wake, waiter, False)
+
+        waiter.timer = self.call_later(op.seconds, timed_out)
+        self._sync_consumer(wake)
+
+    def _resume(self, wake: _Wake, waiter: _Waiter, woken: bool) -> None:
+        self.unwait(wake, waiter)
+        waiter.run.step(woken)
+
+    def unwait(self, wake: _Wake, waiter: _Waiter) -> None:
+        if waiter.timer is not None:
+            self.remove_timeout(waiter.timer)
+            waiter.timer = None
+        if waiter in wake.waiters:
+            wake.waiters.remove(waiter)
+        waiter.run.waiting = None
+        self._sync_consumer(wake)
+
+    def _sync_consumer(self, wake: _Wake) -> None:
+        """Consume the wake queue exactly while someone here waits on it."""
+        if wake.busy or self.dead:
+            return
+        want = bool(wake.waiters) and time.monotonic() >= wake.failed_until
+        if want and wake.tag is None:
+            wake.busy = True
+            if wake.channel is None or not wake.channel.is_open:
+                wake.channel = None
+                self.conn.channel(on_open_callback=lambda ch: self._wake_channel_open(wake, ch))
+            else:
+                self._consume(wake)
+        elif not want and wake.tag is not None:
+            wake.busy = True
+
+            def cancelled(_frame: Any) -> None:
+                wake.tag = None
+                wake.busy = False
+                self._sync_consumer(wake)
+
+            wake.channel.basic_cancel(wake.tag, callback=cancelled)
+
+    def _wake_channel_open(self, wake: _Wake, channel: Any) -> None:
+        wake.channel = channel
+
+        def closed(_ch: Any, reason: object) -> None:
+            wake.channel = None
+            wake.tag = None
+            wake.busy = False
+            if (
+                isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+                and reason.reply_code == 404
+            ):
+                # No wake queue (created by an older admin, or destroyed): poll only.
+                wake.failed_until = time.monotonic() + _WAKE_RETRY
+
+        channel.add_on_close_callback(closed)
+        channel.add_on_cancel_callback(lambda _frame: self._wake_cancelled(wake))
+        self._consume(wake)
+
+    def _consume(self, wake: _Wake) -> None:
+        def consuming(_frame: Any) -> None:
+            wake.busy = False
+            self._sync_consumer(wake)
+
+        def token(ch: Any, _method: Any, _props: Any, body: bytes) -> None:
+            if wake.waiters:
+                self._resume(wake, wake.waiters[0], True)
+                return
+            try:
+                hops = int(body or b"0")
+            except ValueError:
+                hops = _WAKE_HOPS
+            if hops < _WAKE_HOPS:
+                ch.basic_publish(exchange="", routing_key=wake.queue, body=str(hops + 1).encode())
+
+        wake.tag = wake.channel.basic_consume(wake.queue, token, auto_ack=True, callback=consuming)
+
+    def _wake_cancelled(self, wake: _Wake) -> None:
+        # The broker cancels consumers of a deleted queue: the semaphore was destroyed.
+        wake.tag = None
+        wake.busy = False
+        for waiter in list(wake.waiters):
+            self._resume(wake, waiter, True)
+
+    # -- lease verification ---------------------------------------------------------------------
+
+    def _schedule_verify(self) -> None:
+        self._verify_timer = self.call_later(self.settings.verify_period, self._verify_leases)
+
+    def _verify_leases(self) -> None:
+        if self.dead:
+            return
+        groups: dict[Any, list[LeaseState[Any]]] = {}
+        for lease in self.leases:
+            groups.setdefault(lease.plan, []).append(lease)
+        for plan, leases in groups.items():
+            slots = [lease.slot for lease in leases]
+
+            def checked(
+                result: Any, error: BaseException | None, leases: list[LeaseState[Any]] = leases
+            ) -> None:
+                if error is not None:
+                    return  # connection errors mark leases lost by themselves
+                for lease, ok in zip(leases, result):
+                    if not ok and lease in self.leases:
+                        self.leases.discard(lease)
+                        lease.mark_lost("its slot queue was deleted (slot removed by an admin)")
+
+            run = _Run(self, _flows.verify(plan.names, slots), checked)
+            self._runs.add(run)
+            run.step(None)
+        self._schedule_verify()
