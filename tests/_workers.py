@@ -283,7 +283,7 @@ def wait_once(
         report["t_acquired"] = time.time()
         report["slot"] = lease.slot
         report["collisions"] = lease.collisions
-        report["waits"] = getattr(lease._state, "waits", None)
+        report["waits"] = getattr(lease, "waits", None)
         time.sleep(hold_s)
         report["held"] = lease.held
         report["t_release"] = time.time()

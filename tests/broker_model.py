@@ -7,10 +7,12 @@ RabbitMQ (see ``/work/shared/rabbitmq-facts.md``), and no more:
 * durable queues (A queues, the wake queue) with their declare arguments; re-declaring one with
   other arguments is 406 PRECONDITION_FAILED, reported as :class:`errors.QueueMismatchError`;
 * exclusive queues (B queues, the admin mutex) owned by a connection id. ``DeclareHolder``
-  returns ``True`` when the calling connection now holds the queue and ``False`` when it exists
-  already -- owned by another connection (405 RESOURCE_LOCKED) *or by this same connection*: the
-  real drivers keep per-connection claims, because the broker itself would accept a second
-  exclusive declare from the owner;
+  answers ``Claim.LOST`` when the queue exists already -- owned by another connection (405
+  RESOURCE_LOCKED) *or by this same connection*: the real drivers keep per-connection claims,
+  because the broker itself would accept a second exclusive declare from the owner. Otherwise
+  the calling connection now holds it, and the answer is ``Claim.HELD``, or ``Claim.STALE`` when
+  the operation's ``verify`` queue does not exist (declare and verify probe are atomic here: an
+  admin acting between them would give the same answer as one acting just before the declare);
 * ``Delete`` is idempotent (deleting a missing queue is fine, as in RabbitMQ 3+); deleting another
   connection's exclusive queue is 405, which the flows never attempt (it fails loudly here);
 * ``Probe`` answers existence per name, whoever owns the queue (publishing to another
@@ -39,6 +41,7 @@ from typing import Any
 from amqp_locks import _flows, errors
 from amqp_locks._flows import (
     AwaitWake,
+    Claim,
     DeclareDurable,
     DeclareHolder,
     Delete,
@@ -117,12 +120,14 @@ class BrokerModel:
             return tuple(self.exists(q) for q in op.queues)
         if isinstance(op, DeclareHolder):
             if op.queue in self.exclusive:
-                return False  # RESOURCE_LOCKED, or already ours (the drivers' claims)
+                return Claim.LOST  # RESOURCE_LOCKED, or already ours (the drivers' claims)
             if op.queue in self.durable:
                 raise errors.QueueMismatchError(op.queue, "durable queue declared as exclusive")
             self.exclusive[op.queue] = conn
             self.holder_ids[op.queue] = op.holder_id
-            return True
+            if op.verify is not None and not self.exists(op.verify):
+                return Claim.STALE
+            return Claim.HELD
         if isinstance(op, DeclareDurable):
             if op.queue in self.exclusive:
                 raise errors.QueueMismatchError(op.queue, "exclusive queue declared as durable")
@@ -224,12 +229,17 @@ class BrokerModel:
         return len(self.log)
 
 
-def run(flow: Flow[Any], conn: str, broker: BrokerModel) -> Any:
-    """Drive ``flow`` to completion for connection ``conn``; return its value or raise its error."""
+def run(flow: Flow[Any], conn: str, broker: BrokerModel, *, limit: int = 100_000) -> Any:
+    """Drive ``flow`` to completion for connection ``conn``; return its value or raise its error.
+
+    A flow still running after ``limit`` operations fails the test instead of hanging it.
+    """
     handle = FlowRun("run", flow, conn)
-    while not handle.done:
+    for _ in range(limit):
+        if handle.done:
+            return handle.value()
         handle.step(broker)
-    return handle.value()
+    raise AssertionError(f"flow did not finish in {limit} operations; last: {handle!r}")
 
 
 class FlowRun:

@@ -78,10 +78,13 @@ def read_json(path: Path) -> Any:
 
 
 def wait_paths(paths: list[Path], timeout: float, procs: Sequence[Any] = ()) -> None:
+    """Wait until every path in ``paths`` exists; fail early if a worker died first."""
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
         dead = [p.pid for p in procs if p.exitcode is not None]
-        assert not dead, f"workers {dead} exited before getting ready"
+        if dead and not all(p.exists() for p in paths):
+            reports = {f.name: f.read_text()[:3000] for f in paths[0].parent.glob("*.json")}
+            pytest.fail(f"workers {dead} exited before getting ready; reports: {reports}")
         assert time.monotonic() < deadline, "workers did not get ready in time"
         time.sleep(0.02)
 

@@ -22,6 +22,7 @@ from amqp_locks._common import SemaphorePlan
 from amqp_locks._flows import (
     Acquired,
     AwaitWake,
+    Claim,
     DeclareDurable,
     DeclareHolder,
     Delete,
@@ -113,9 +114,16 @@ def declared_slots(broker: BrokerModel, names: SemaphoreNames, since: int = 0) -
 def test_model_exclusive_declare_is_false_for_another_connection_and_for_the_owner(
     broker: BrokerModel,
 ) -> None:
-    assert broker.execute(DeclareHolder("q", "h1"), "c1") is True
-    assert broker.execute(DeclareHolder("q", "h2"), "c2") is False
-    assert broker.execute(DeclareHolder("q", "h3"), "c1") is False
+    assert broker.execute(DeclareHolder("q", "h1"), "c1") is Claim.HELD
+    assert broker.execute(DeclareHolder("q", "h2"), "c2") is Claim.LOST
+    assert broker.execute(DeclareHolder("q", "h3"), "c1") is Claim.LOST
+    assert broker.exclusive == {"q": "c1"}
+
+
+def test_model_declare_with_a_missing_verify_queue_holds_it_but_answers_stale(
+    broker: BrokerModel,
+) -> None:
+    assert broker.execute(DeclareHolder("q", "h1", verify="gone"), "c1") is Claim.STALE
     assert broker.exclusive == {"q": "c1"}
 
 
@@ -161,7 +169,6 @@ def test_acquire_takes_the_lowest_free_slot(broker, plan, names) -> None:
     outcome = acquire(broker, names)
     assert outcome.slot == 2
     assert outcome.collisions == 0
-    assert outcome.count == 4
     assert broker.holders(names) == {1: "other", 2: CLIENT, 3: "other"}
     assert broker.holder_ids[names.holder(2)] == "client"
 
@@ -212,14 +219,16 @@ def test_acquire_probes_a_and_b_queues_of_a_small_semaphore_in_one_round_trip(
     broker, plan, names
 ) -> None:
     create(broker, plan, 3)
+    broker.hold(names, 1, "other")
+    broker.hold(names, 2, "other")
     mark = broker.mark()
-    assert acquire(broker, names).slot == 1
-    probes = broker.ops(Probe, since=mark)
-    ks = range(1, 5)
-    assert probes[0] == Probe(
-        tuple(names.slot(k) for k in ks) + tuple(names.holder(k) for k in ks)
-    )
-    assert len(probes) == 2  # the scan, then the verification of A[1]
+    assert acquire(broker, names, hint=3).slot == 3
+    # Every B of the known slots, the A just past them (grown?) and A[1] (exists?) at once;
+    # then the declare, which checks A[3] right after it (no separate probe op).
+    assert broker.ops(since=mark) == [
+        Probe((*(names.holder(k) for k in (1, 2, 3)), names.slot(4), names.slot(1))),
+        DeclareHolder(names.holder(3), "client", verify=names.slot(3)),
+    ]
 
 
 def test_acquire_with_a_good_hint_needs_constant_round_trips_on_a_big_busy_semaphore(
@@ -231,9 +240,9 @@ def test_acquire_with_a_good_hint_needs_constant_round_trips_on_a_big_busy_semap
     mark = broker.mark()
     assert acquire(broker, names, hint=64).slot == 64
     ops = broker.ops(since=mark)
-    declare_at = ops.index(DeclareHolder(names.holder(64), "client"))
+    declare_at = ops.index(DeclareHolder(names.holder(64), "client", verify=names.slot(64)))
     assert sum(isinstance(op, Probe) for op in ops[:declare_at]) <= 2
-    assert ops[declare_at + 1 :] == [Probe((names.slot(64),))]
+    assert ops[declare_at + 1 :] == []  # the verify of A[64] rides on the declare
 
 
 def test_acquire_without_a_hint_needs_logarithmically_many_round_trips(
@@ -269,7 +278,7 @@ def test_a_lost_race_moves_on_to_the_next_free_slot_in_the_same_round(
 ) -> None:
     create(broker, plan, 3)
     inter = Interleaver(broker)
-    inter.start("x", acquire_flow(broker, names), CLIENT)
+    inter.start("x", acquire_flow(broker, names, hint=3), CLIENT)
     inter.step_until("x", is_declare_of(names.holder(1)))
     broker.hold(names, 1, "rival")
     outcome = inter.finish("x")
@@ -311,11 +320,22 @@ def test_acquire_verifies_its_slot_and_gives_it_back_if_an_admin_removed_it_mean
     assert outcome.slot is None
     assert outcome.count == 2
     assert names.holder(3) not in broker.exclusive
-    assert broker.ops(conn=CLIENT, since=mark)[:3] == [
-        DeclareHolder(names.holder(3), "client"),
-        Probe((names.slot(3),)),
-        Delete(names.holder(3)),
-    ]
+    declare, give_back, rescan = broker.ops(conn=CLIENT, since=mark)
+    assert declare == DeclareHolder(names.holder(3), "client", verify=names.slot(3))
+    assert broker.log[mark].result is Claim.STALE
+    assert give_back == Delete(names.holder(3))
+    assert rescan == Probe((names.holder(1), names.holder(2), names.slot(3), names.slot(1)))
+
+
+def test_acquire_with_a_hint_above_the_count_never_hands_out_a_slot_above_it(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 2)
+    broker.hold(names, 1, "other")
+    broker.hold(names, 2, "other")
+    outcome = acquire(broker, names, hint=10)
+    assert (outcome.slot, outcome.count) == (None, 2)
+    assert broker.holders(names) == {1: "other", 2: "other"}
 
 
 def test_a_blocked_acquire_is_woken_by_a_release_and_takes_the_slot(broker, plan, names) -> None:

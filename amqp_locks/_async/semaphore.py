@@ -72,6 +72,11 @@ class Lease:
     def collisions(self) -> int:
         return self._state.collisions
 
+    @property
+    def waits(self) -> int:
+        """Times the acquire blocked waiting for a release before it got this lease."""
+        return self._state.waits
+
     def on_lost(self, callback: Callable[[Lease], Any]) -> None:
         """Call ``callback(lease)`` when the lease is lost (at once if it already is)."""
         self._state.add_callback(callback)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -313,6 +314,7 @@ class _IO:
         self._pool: list[_Channel] = []
         self._wakes: dict[str, _Wake] = {}
         self._verify_timer: Any = None
+        self.pid = os.getpid()
         self._opened = threading.Event()
         self._open_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -415,6 +417,10 @@ class _IO:
             self.conn.ioloop.add_callback_threadsafe(callback)
         except Exception:  # loop already gone: nothing left to do there
             log.debug("I/O loop gone; dropped a callback", exc_info=True)
+
+    @property
+    def in_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def submit(
         self, flow: _flows.Flow[T]

@@ -100,6 +100,17 @@ class Connection:
     ) -> tuple[T, _IO]:
         """Run a flow to completion in the I/O thread; return its result and the I/O used."""
         io = io or self._live()
+        if io.pid != os.getpid():
+            raise ClosedError(
+                "this lease or connection belongs to the parent process (before fork); "
+                "the child must acquire its own"
+            )
+        if io.in_io_thread:
+            # Waiting here would wait on ourselves: the I/O thread runs the flow.
+            raise RuntimeError(
+                "blocking amqp_locks calls cannot be made from an on_lost callback (it runs "
+                "in the connection's I/O thread); hand the work to another thread"
+            )
         future, cancel = io.submit(flow)
         try:
             return future.result(), io

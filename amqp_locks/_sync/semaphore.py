@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -83,6 +84,11 @@ class Lease:
         """Declares lost to other clients (RESOURCE_LOCKED) while acquiring this lease."""
         return self._state.collisions
 
+    @property
+    def waits(self) -> int:
+        """Times the acquire blocked waiting for a release before it got this lease."""
+        return self._state.waits
+
     def on_lost(self, callback: Callable[[Lease], Any]) -> None:
         """Call ``callback(lease)`` when the lease is lost (at once if it already is)."""
         self._state.add_callback(callback)
@@ -110,9 +116,9 @@ class Lease:
         """Free the slot and wake one waiter. Idempotent; a lost lease has nothing to free."""
         if not self._state.mark_released():
             return
+        if self._io.dead or self._io.pid != os.getpid():
+            return  # freed with the connection; or the parent's, after a fork: not ours
         self._io.untrack(self._state)
-        if self._io.dead:
-            return
         try:
             self._connection._run(_flows.release(self._state.plan.names, self.slot), io=self._io)
         except Exception:
