@@ -351,11 +351,14 @@ def test_a_blocked_acquire_is_woken_by_a_release_and_takes_the_slot(broker, plan
     assert broker.now() == start  # woken by the token, not by the poll
 
 
-def test_a_woken_waiter_that_sees_more_free_slots_passes_the_wake_token_on(
-    broker, plan, names
-) -> None:
-    create(broker, plan, 1)
-    broker.hold(names, 1, "other")
+def wake_two_waiters_by_adding_two_slots(
+    broker: BrokerModel, plan: SemaphorePlan, initial: int
+) -> tuple[Acquired, Acquired, float]:
+    """``initial`` slots, all held; two blocked waiters; add(2). Outcomes and time taken."""
+    names = plan.names
+    create(broker, plan, initial)
+    for k in range(1, initial + 1):
+        broker.hold(names, k, "other")
     inter = Interleaver(broker)
     for w in ("w1", "w2"):
         inter.start(w, acquire_flow(broker, names, holder=w, blocking=True, timeout=60.0), w)
@@ -363,10 +366,31 @@ def test_a_woken_waiter_that_sees_more_free_slots_passes_the_wake_token_on(
     run(plan.add("admin", 2), ADMIN, broker)  # two slots, but the wake queue keeps one token
     assert broker.messages[names.wake] == 1
     start = broker.now()
-    assert inter.finish("w1").slot == 2
+    return inter.finish("w1"), inter.finish("w2"), broker.now() - start
+
+
+def test_a_woken_waiter_that_sees_more_free_slots_passes_the_wake_token_on(
+    broker, plan, names
+) -> None:
+    first, second, took = wake_two_waiters_by_adding_two_slots(broker, plan, initial=2)
+    assert (first.slot, second.slot) == (3, 4)
     assert broker.ops(Notify, conn="w1") == [Notify(names.wake)]
-    assert inter.finish("w2").slot == 3
-    assert broker.now() == start
+    assert took == 0  # nobody fell back to the poll
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_attempt stops at the first probe batch holding a free slot, and more_free only "
+    "counts free slots in that batch: when the batch ends at the first new slot (hint 1 -> "
+    "batch [2]), the woken waiter does not pass the token on and the next waiter sleeps until "
+    "its poll (0.5-1.5 x poll_interval)",
+)
+def test_a_woken_waiter_passes_the_token_on_even_when_its_last_batch_had_one_free_slot(
+    broker, plan, names
+) -> None:
+    first, second, took = wake_two_waiters_by_adding_two_slots(broker, plan, initial=1)
+    assert (first.slot, second.slot) == (2, 3)
+    assert took == 0
 
 
 def test_verify_reports_per_slot_whether_a_and_b_still_exist_in_one_probe(
@@ -563,7 +587,7 @@ def test_a_second_admin_on_the_same_connection_waits_for_the_mutex(broker, plan,
     inter.step("first")  # holds the mutex now
     inter.start("second", plan.add("second", 1), ADMIN)
     inter.step("second")
-    assert broker.log[-1].result is False  # connection-local claim: not ours to share
+    assert broker.log[-1].result is Claim.LOST  # connection-local claim: not ours to share
     assert inter.finish("first").after == 3
     assert inter.finish("second").after == 4
 
@@ -727,7 +751,8 @@ class World:
             n = data.draw(st.integers(1, 4), label="n")
             self.inter.start(actor, getattr(self.plan, op)(actor, n), conn)
         elif actor in self.leases:
-            self.inter.start(actor, _flows.release(self.names, self.leases[actor]), conn)
+            # From the first operation of its release on, a lease no longer counts as live.
+            self.inter.start(actor, _flows.release(self.names, self.leases.pop(actor)), conn)
         else:
             blocking = data.draw(st.booleans(), label="blocking")
             timeout = data.draw(st.sampled_from([None, 0.0, 0.5, 2.0]), label="timeout")
@@ -758,23 +783,24 @@ class World:
             assert self.broker.slots(self.names) == list(range(1, handle.result.after + 1))
         elif handle.error is not None:
             assert isinstance(handle.error, CLIENT_ERRORS), handle.error
-        elif isinstance(handle.result, Acquired):
-            if handle.result.slot is not None:
-                assert handle.result.slot not in self.leases.values(), (
-                    f"{actor} got slot {handle.result.slot}, already leased: {self.leases}"
-                )
-                self.leases[actor] = handle.result.slot
-        else:
-            del self.leases[actor]  # a release completed
+        elif isinstance(handle.result, Acquired) and handle.result.slot is not None:
+            assert handle.result.slot not in self.leases.values(), (
+                f"{actor} got slot {handle.result.slot}, already leased: {self.leases}"
+            )
+            self.leases[actor] = handle.result.slot
 
-    def crash(self, conn_no: int) -> None:
-        conn = f"conn{conn_no}.{self.generation[conn_no]}"
-        for handle in self.inter.crash(conn):
+    def crash(self, victim: int | str) -> None:
+        """A client connection (by number) or an admin's connection (by name) dies."""
+        if isinstance(victim, str):
+            for handle in self.inter.crash(self.conn_of(victim)):
+                self.finished(handle.name)
+            return
+        for handle in self.inter.crash(f"conn{victim}.{self.generation[victim]}"):
             self.finished(handle.name)
         for client in self.clients:
-            if self.conn_no[client] == conn_no:
+            if self.conn_no[client] == victim:
                 self.leases.pop(client, None)
-        self.generation[conn_no] += 1
+        self.generation[victim] += 1  # the clients reconnect
 
     def check(self) -> None:
         slots = list(self.leases.values())
@@ -800,12 +826,14 @@ class World:
 def test_random_interleavings_never_give_one_slot_to_two_holders(
     data, initial, n_clients, n_conns, n_admins
 ) -> None:
-    world = World(n_clients, min(n_conns, n_clients), n_admins)
+    n_conns = min(n_conns, n_clients)
+    world = World(n_clients, n_conns, n_admins)
     run(world.plan.create("setup", initial), "setup", world.broker)
     actors = world.clients + world.admins
+    victims = st.one_of(st.integers(0, n_conns - 1), *(st.just(a) for a in world.admins))
     for _ in range(data.draw(st.integers(10, 150), label="steps")):
         if data.draw(st.integers(0, 40), label="crash?") == 0:
-            world.crash(data.draw(st.integers(0, min(n_conns, n_clients) - 1), label="conn"))
+            world.crash(data.draw(victims, label="victim"))
         else:
             actor = data.draw(st.sampled_from(actors), label="actor")
             if world.busy(actor):
