@@ -185,7 +185,7 @@ def scan_slots(names: SemaphoreNames, policy: Policy, hint: int = 0) -> Flow[Slo
         batch = tuple(names.slot(k) for k in range(len(exists) + 1, upto + 1))
         exists.extend((yield Probe(batch)))
         last_found = max((k for k, e in enumerate(exists, 1) if e), default=0)
-        if len(exists) >= last_found + policy.overshoot or len(exists) >= MAX_SLOTS + 1:
+        if len(exists) >= last_found + max(policy.overshoot, 1) or len(exists) > MAX_SLOTS:
             break
         upto = max(2 * upto, last_found + policy.overshoot)
     count = exists.index(False) if False in exists else len(exists)
@@ -223,30 +223,49 @@ class _Attempt:
 def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]:
     """One pass of the spec's acquire loop.
 
-    The spec probes A[L], then B[L], then declares B[L]. We probe every B of the known slots
-    at once, plus A[1] (does the semaphore exist?) and the A just past them (did it grow?),
-    then declare the lowest free B and check its A right after the declare. A slot is handed
-    out only if A[k] exists after B[k] is ours — what the spec's order plus its recommended
-    verification give — at one probe round trip for any number of slots.
+    The spec probes A[L], then B[L], then declares B[L]. We probe every B of the slots we
+    believe exist (``hint``) at once, plus A[1] (does the semaphore exist?), A[hint] (is the
+    hint still true?) and A[hint + 1] (did it grow?); past the hint, A and B of a doubling
+    range. Then we declare the lowest free B and check its A right behind the declare. A slot
+    is handed out only if A[k] exists once B[k] is ours — what the spec's order plus its
+    recommended verification give — at one probe round trip for any number of slots.
     """
-    lo, hi = 1, max(hint, 1)
-    free: list[int] = []
-    while True:
-        ks = range(lo, hi + 1)
-        found = yield Probe((*(names.holder(k) for k in ks), names.slot(hi + 1), names.slot(1)))
-        if not found[-1]:
-            raise SemaphoreNotFoundError(names.base)
-        free.extend(k for k, held in zip(ks, found) if not held)
-        grown = found[len(ks)]
-        if free or not grown or hi >= MAX_SLOTS:
-            break
+    hi = max(hint, 1)
+    ks = range(1, hi + 1)
+    found = yield Probe(
+        (*(names.holder(k) for k in ks), names.slot(hi + 1), names.slot(hi), names.slot(1))
+    )
+    if not found[-1]:
+        raise SemaphoreNotFoundError(names.base)
+    free = [k for k, held in zip(ks, found) if not held]
+    grown, hint_holds = found[hi], found[hi + 1]
+    while grown and not free and hi < MAX_SLOTS:
         lo, hi = hi + 1, min(2 * hi, MAX_SLOTS)
-    count = hi + 1 if grown else hi
+        ks = range(lo, hi + 1)
+        n = len(ks)
+        found = yield Probe(
+            (
+                *(names.slot(k) for k in ks),
+                *(names.holder(k) for k in ks),
+                names.slot(hi + 1),
+            )
+        )
+        grown = found[2 * n]
+        for k, slot_exists, held in zip(ks, found[:n], found[n:]):
+            if not slot_exists:
+                hi, grown = k - 1, False
+                break
+            if not held:
+                free.append(k)
+    # The count as far as we know: where the next acquire starts. A hint found too high
+    # halves, so a semaphore that shrank is probed at its new size within a few acquires.
+    count = hi + 1 if grown else (hi if hint_holds else max(hi // 2, 1))
     lost = 0
     for i, k in enumerate(free):
         claim = yield DeclareHolder(names.holder(k), holder_id, verify=names.slot(k))
         if claim is Claim.HELD:
-            return _Attempt(k, max(count, k), lost, more_free=i + 1 < len(free))
+            more = i + 1 < len(free) or grown
+            return _Attempt(k, max(count, k), lost, more_free=more)
         if claim is Claim.LOST:
             lost += 1
             continue
@@ -296,9 +315,11 @@ def acquire(
             rounds_lost += 1
             if rounds_lost >= policy.max_collisions:
                 raise ContentionError(names.base, rounds_lost)
+            if remaining is not None and remaining <= 0:
+                raise AcquireTimeoutError(names.base, timeout if timeout is not None else 0.0)
             pause = backoff(policy.collision_wait, rounds_lost)
             if remaining is not None:
-                pause = min(pause, max(remaining, 0.0))
+                pause = min(pause, remaining)
             yield Sleep(pause)
             continue
         rounds_lost = 0
@@ -369,7 +390,10 @@ def _set_size(names: SemaphoreNames, scan: SlotScan, target: int) -> Flow[None]:
     if scan.count > target:
         yield from _delete_descending(names, range(target + 1, scan.count + 1))
     yield from _declare_ascending(names, scan.count + 1, target)
-    yield DeclareDurable(names.wake, WAKE_ARGUMENTS)
+    if target:
+        yield DeclareDurable(names.wake, WAKE_ARGUMENTS)
+    else:
+        yield Delete(names.wake)  # no slots left: as destroy() leaves it
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,9 @@ class BrokerModel:
 
     def holders(self, names: SemaphoreNames) -> dict[int, str]:
         """Slot number -> owning connection, for every B queue that exists."""
-        return {k: self.exclusive[names.holder(k)] for k in self._numbers(names, "B", self.exclusive)}
+        return {
+            k: self.exclusive[names.holder(k)] for k in self._numbers(names, "B", self.exclusive)
+        }
 
     @staticmethod
     def _numbers(names: SemaphoreNames, kind: str, queues: Iterable[str]) -> list[int]:
@@ -328,9 +330,7 @@ class Interleaver:
         handle.step(self.broker)
         return handle
 
-    def step_until(
-        self, name: str, predicate: Callable[[Op], bool], *, limit: int = 1000
-    ) -> Op:
+    def step_until(self, name: str, predicate: Callable[[Op], bool], *, limit: int = 1000) -> Op:
         """Step ``name`` until its *pending* operation satisfies ``predicate`` (not executed)."""
         handle = self.runs[name]
         for _ in range(limit):
