@@ -210,3 +210,24 @@ async def test_unreachable_broker_fails_fast() -> None:
         await sem.acquire(timeout=1)
     assert time.monotonic() - t0 < 3.5
     await sem.close()
+
+
+async def test_a_nacked_probe_is_an_error_not_a_missing_queue(
+    rabbitmq_url: str, amqp_namespace: str
+) -> None:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    conn.channel().queue_declare(
+        f"{amqp_namespace}odd-1-A",
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+    sem = Semaphore("odd", url=rabbitmq_url, namespace=amqp_namespace)
+    try:
+        with pytest.raises(errors.ProbeNackedError, match="odd-1-A"):
+            await sem.try_acquire()
+    finally:
+        await sem.close()
+        conn.channel().queue_delete(f"{amqp_namespace}odd-1-A")
+        conn.close()

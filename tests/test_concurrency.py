@@ -124,6 +124,17 @@ def check_intervals(records: list[tuple[int, float, float]], slots: int) -> int:
     return peak
 
 
+def test_interval_checker_catches_overlaps() -> None:
+    """The checker the tests below rely on is not vacuous."""
+    assert check_intervals([(1, 0.0, 1.0), (1, 1.0, 2.0), (2, 0.5, 1.5)], 2) == 2
+    with pytest.raises(AssertionError, match="slot 1 held twice"):
+        check_intervals([(1, 0.0, 1.0), (1, 0.9, 2.0)], 2)
+    with pytest.raises(AssertionError, match="3 holders"):
+        check_intervals([(1, 0.0, 1.0), (2, 0.1, 1.0), (3, 0.2, 1.0)], 2)
+    with pytest.raises(AssertionError, match="out of range"):
+        check_intervals([(3, 0.0, 1.0)], 2)
+
+
 @pytest.fixture
 def make_admin(rabbitmq_url: str, amqp_namespace: str) -> Iterator[Callable[..., SemaphoreAdmin]]:
     """``make_admin(name, slots)``: a created semaphore's admin; destroyed after the test."""
@@ -559,6 +570,8 @@ def test_release_hands_off_to_one_waiter_without_a_herd(
     failed = [r for r in reports if "error" in r]
     assert not failed, failed[0]["error"]["traceback"]
     assert all(r["slot"] == 1 and r["held"] for r in reports)
+    # Every waiter really blocked (lease.waits, where the library reports it).
+    assert all(r["waits"] is None or r["waits"] >= 1 for r in reports), reports
     reports.sort(key=lambda r: r["t_acquired"])
     check_intervals([(1, r["t_acquired"], r["t_release"]) for r in reports], 1)
     collisions = sum(r["collisions"] for r in reports)

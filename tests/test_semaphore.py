@@ -331,3 +331,25 @@ def test_wrong_credentials_are_broker_unavailable_with_a_hint(rabbitmq_url: str)
     with pytest.raises(errors.BrokerUnavailableError, match="credentials"):
         sem.try_acquire()
     sem.close()
+
+
+def test_a_nacked_probe_is_an_error_not_a_missing_queue(
+    rabbitmq_url: str, amqp_namespace: str
+) -> None:
+    # A queue that rejects publishes when full nacks every probe: the library must not read
+    # that as "no such queue" (which would mean "semaphore missing" or "slot free").
+    conn = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    conn.channel().queue_declare(
+        f"{amqp_namespace}odd-1-A",
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+    sem = Semaphore("odd", url=rabbitmq_url, namespace=amqp_namespace)
+    try:
+        with pytest.raises(errors.ProbeNackedError, match="odd-1-A"):
+            sem.try_acquire()
+        assert not existing_queues(rabbitmq_url, [f"{amqp_namespace}odd-1-B"])
+    finally:
+        sem.close()
+        conn.channel().queue_delete(f"{amqp_namespace}odd-1-A")
+        conn.close()
