@@ -25,6 +25,20 @@ or, without a ``with`` block::
     finally:
         broker.stop()
 
+A node can outlive the process that started it: :meth:`LocalBroker.detach` writes a small
+JSON record (node name, ports, pid, state directory) into the state directory and leaves the
+node running at exit; :meth:`LocalBroker.attach` rebuilds a LocalBroker from that record in a
+later process, so that it can be inspected and stopped (``amqp-locks broker start|stop`` work
+this way)::
+
+    broker = LocalBroker("/tmp/dev-broker", management=True)
+    broker.start()
+    broker.detach()                        # the node keeps running after this process exits
+    ...                                    # later, in another process:
+    broker = LocalBroker.attach("/tmp/dev-broker")
+    broker.is_running(), broker.url
+    broker.stop()                          # `rabbitmqctl stop`, then kills what is left
+
 Requirements: a RabbitMQ server installation (``apt-get install -y rabbitmq-server`` as root
 on Debian/Ubuntu, ``brew install rabbitmq`` on macOS). :meth:`LocalBroker.available` tells
 whether one was found. On Debian the ``/usr/sbin`` commands are wrappers that switch to the
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import re
@@ -53,8 +68,9 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-__all__ = ["LocalBroker", "LocalBrokerError", "find_rabbitmq_server"]
+__all__ = ["RECORD_FILE", "LocalBroker", "LocalBrokerError", "find_rabbitmq_server"]
 
 logger = logging.getLogger("amqp_locks.broker")
 
@@ -86,6 +102,10 @@ _INSTALL_HINT = (
     "testcontainers); or set AMQP_URL to an existing broker, e.g. "
     "AMQP_URL='amqp://guest:guest@127.0.0.1:5672/%2F'."
 )
+
+#: Name of the record :meth:`LocalBroker.detach` writes into the state directory.
+RECORD_FILE = "local-broker.json"
+_RECORD_VERSION = 1
 
 _TAIL_LINES = 40
 _TAIL_CHARS = 6000
@@ -187,6 +207,32 @@ def _pids_with_marker(marker: str) -> list[int]:
     return found
 
 
+def _node_process_alive(pid: int, marker: str) -> bool:
+    """True if ``pid`` is a live (not zombie) process of the node ``marker``.
+
+    For a node started by another process, which this one cannot ``wait()`` for. Where
+    ``/proc`` exists, the process must also carry the node's env marker, so that a recycled
+    pid is never mistaken for the node (and never signalled); elsewhere the pid is trusted.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process: not a node we started
+    proc = Path(f"/proc/{pid}")
+    if not Path("/proc/self").exists():
+        return True
+    try:
+        stat = (proc / "stat").read_text(encoding="ascii", errors="replace")
+        if stat.rpartition(")")[2].split()[:1] == ["Z"]:
+            return False  # a zombie nobody reaped (e.g. PID 1 in a container)
+        environ = (proc / "environ").read_bytes()
+    except OSError:
+        return False
+    return f"{_MARKER_ENV}={marker}".encode() in environ.split(b"\0")
+
+
 #: Brokers that may have a node or a temporary state dir to clean up at exit (strong refs,
 #: so a forgotten LocalBroker object cannot be garbage-collected with its node running).
 _live_brokers: set[LocalBroker] = set()
@@ -268,6 +314,8 @@ class LocalBroker:
             None if state_dir is None else Path(state_dir).expanduser().absolute()
         )
         self._proc: subprocess.Popen[bytes] | None = None
+        #: PID of a node started by another process, set by attach() (no Popen to wait on).
+        self._attached_pid: int | None = None
         self._server: Path | None = None
         self._ever_started = False
         self._lock = threading.RLock()
@@ -329,7 +377,15 @@ class LocalBroker:
     def pid(self) -> int | None:
         """PID of the ``rabbitmq-server`` process (also its process group id) while running."""
         proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
+        if proc is not None:
+            return proc.pid if proc.poll() is None else None
+        pid = self._attached_pid
+        return pid if pid is not None and _node_process_alive(pid, self._node_name) else None
+
+    @property
+    def record_file(self) -> Path | None:
+        """Where :meth:`detach` writes the node's record (None before a state dir exists)."""
+        return None if self._state_dir is None else self._state_dir / RECORD_FILE
 
     @classmethod
     def available(cls) -> bool:
@@ -338,8 +394,97 @@ class LocalBroker:
 
     def is_running(self) -> bool:
         """True while the node's OS process is alive (it may still be booting)."""
-        proc = self._proc
-        return proc is not None and proc.poll() is None
+        return self.pid is not None
+
+    # ------------------------------------------------------------------ outliving the process
+
+    def detach(self) -> Path:
+        """Let the running node outlive this process; return the path of its record.
+
+        Takes the node off the ``atexit`` kill list and writes :data:`RECORD_FILE` (node
+        name, ports, pid, state directory, URLs) into the state directory, for
+        :meth:`attach` in a later process. The node must have a state directory of the
+        caller's (``LocalBroker(state_dir)``): a temporary one would be removed at exit.
+        This object stays usable; :meth:`stop` still stops the node and removes the record.
+
+        Raises:
+            LocalBrokerError: the node is not running, or its state dir is a temporary one.
+        """
+        with self._lock:
+            pid = self.pid
+            state = self._state_dir
+            if pid is None or state is None:
+                raise LocalBrokerError(f"node {self._node_name} is not running")
+            if self._owns_state_dir:
+                raise LocalBrokerError(
+                    "only a node with a state_dir of the caller's can be detached (a temporary "
+                    "one is removed at exit); pass LocalBroker(state_dir)"
+                )
+            record: dict[str, Any] = {
+                "version": _RECORD_VERSION,
+                "node_name": self._node_name,
+                "pid": pid,
+                "amqp_port": self._amqp_port,
+                "dist_port": self._dist_port,
+                "management_port": self._management_port,
+                "url": self.url,
+                "management_url": self.management_url,
+                "state_dir": str(state),
+                "server": str(self._server) if self._server is not None else None,
+                "started_at": time.time(),
+            }
+            path = state / RECORD_FILE
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+            with _atexit_lock:
+                _live_brokers.discard(self)
+            logger.info("node %s detached; record in %s", self._node_name, path)
+            return path
+
+    @classmethod
+    def attach(cls, state_dir: str | os.PathLike[str]) -> LocalBroker:
+        """A LocalBroker for the node that :meth:`detach` recorded in ``state_dir``.
+
+        It reports :meth:`is_running`, :attr:`url`, :attr:`pid` etc., and :meth:`stop`,
+        :meth:`kill` and :meth:`restart` control the node although another process started
+        it. A stopped or crashed node gives an object whose :meth:`is_running` is False
+        (:meth:`stop` then still kills stragglers and removes the record). Where ``/proc``
+        exists, a process only counts as the node if it carries the node's marker, so a
+        recycled pid is never signalled.
+
+        Raises:
+            LocalBrokerError: no readable record in ``state_dir``.
+        """
+        state = Path(state_dir).expanduser().absolute()
+        path = state / RECORD_FILE
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if record.get("version") != _RECORD_VERSION:
+                raise ValueError(f"unknown record version {record.get('version')!r}")
+            node_name = str(record["node_name"])
+            amqp_port = int(record["amqp_port"])
+            dist_port = int(record["dist_port"])
+            management_port = record.get("management_port")
+            pid = int(record["pid"])
+            server = record.get("server")
+        except FileNotFoundError as exc:
+            raise LocalBrokerError(f"no LocalBroker record in {state} ({RECORD_FILE})") from exc
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LocalBrokerError(f"unreadable LocalBroker record {path}: {exc}") from exc
+        broker = cls(
+            state,
+            node_name=node_name,
+            amqp_port=amqp_port,
+            management=management_port is not None,
+        )
+        broker._dist_port = dist_port
+        broker._management_port = None if management_port is None else int(management_port)
+        broker._attached_pid = pid
+        broker._ever_started = True
+        if server is not None and Path(server).is_file():
+            broker._server = Path(server)
+        return broker
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
@@ -362,6 +507,7 @@ class LocalBroker:
         with self._lock:
             if self.is_running():
                 return
+            self._attached_pid = None
             server = find_rabbitmq_server()
             if server is None:
                 raise LocalBrokerError(_INSTALL_HINT.format(dirs=", ".join(_FALLBACK_DIRS)))
@@ -390,16 +536,13 @@ class LocalBroker:
         one), unless ``keep_state`` is true; a directory passed by the caller is kept.
         """
         with self._lock:
-            proc = self._proc
-            if proc is not None:
-                if proc.poll() is None:
+            if self._proc is not None or self._attached_pid is not None:
+                if self.is_running():
                     deadline = time.monotonic() + timeout
                     logger.info("stopping RabbitMQ node %s", self._node_name)
                     with contextlib.suppress(LocalBrokerError):
                         self._ctl(["stop"], timeout=max(1.0, timeout * 0.8))
-                    try:
-                        proc.wait(timeout=max(0.5, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
+                    if not self._wait_exit(max(0.5, deadline - time.monotonic())):
                         logger.warning(
                             "node %s did not exit within %.0f s; killing it",
                             self._node_name,
@@ -407,6 +550,11 @@ class LocalBroker:
                         )
                 self._kill_all()
                 self._proc = None
+                self._attached_pid = None
+                record = self.record_file
+                if record is not None:  # it described the node just stopped
+                    with contextlib.suppress(FileNotFoundError):
+                        record.unlink()
             with _atexit_lock:
                 _live_brokers.discard(self)
             if self._owns_state_dir and not keep_state and self._state_dir is not None:
@@ -419,10 +567,11 @@ class LocalBroker:
         A later :meth:`start` boots the same node from the same data on the same ports.
         """
         with self._lock:
-            if self._proc is not None:
+            if self._proc is not None or self._attached_pid is not None:
                 logger.info("killing RabbitMQ node %s", self._node_name)
                 self._kill_all()
                 self._proc = None
+                self._attached_pid = None
 
     def restart(self, timeout: float = 60.0) -> None:
         """Restart the RabbitMQ application inside the running node, keeping its data.
@@ -514,6 +663,8 @@ class LocalBroker:
         (state / "rabbitmq.conf").write_text("\n".join(lines) + "\n", encoding="utf-8")
         with contextlib.suppress(FileNotFoundError):
             (state / "rabbitmq.pid").unlink()  # a stale one (after kill) confuses `wait`
+        with contextlib.suppress(FileNotFoundError):
+            (state / RECORD_FILE).unlink()  # describes a node that is gone
         return state
 
     def _env(self) -> dict[str, str]:
@@ -691,6 +842,11 @@ class LocalBroker:
         if proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        attached = self._attached_pid
+        if attached is not None and _node_process_alive(attached, self._node_name):
+            # Started with start_new_session: the server's pid is its process group id.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(attached, signal.SIGKILL)
         for _ in range(50):
             pids = _pids_with_marker(self._node_name)
             if not pids:
@@ -704,6 +860,22 @@ class LocalBroker:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 logger.warning("process %d of node %s did not die", proc.pid, self._node_name)
+
+    def _wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the server process to exit; True if it did."""
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout
+        while self.is_running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def _emergency_cleanup(self) -> None:
         """atexit hook: kill a node left running and remove a temporary state dir."""

@@ -95,6 +95,9 @@ class _Channel:
         self.closed = False
         self._tags = itertools.count(1)
         self._probes: dict[int, tuple[_ProbeBatch, int, str] | None] = {}
+        # Tags of probes in flight per queue name, oldest first: a basic.return names the
+        # routing key, and the broker answers publishes in order.
+        self._in_flight: dict[str, deque[int]] = {}
         self._rpc_fail: Callable[[object], None] | None = None
         self._on_ready: Callable[[_Channel], None] | None = on_ready
         self.ch: Any = io.conn.channel(on_open_callback=self._opened)
@@ -118,6 +121,7 @@ class _Channel:
         if fail is not None:
             fail(reason)
         probes, self._probes = self._probes, {}
+        self._in_flight.clear()
         error = map_close(reason, None)
         for entry in probes.values():
             if entry is not None:
@@ -136,28 +140,26 @@ class _Channel:
         done: Callable[[tuple[bool, ...] | None, BaseException | None], None],
     ) -> None:
         batch = _ProbeBatch(len(queues), done)
+        publish = self.ch.basic_publish
         for index, queue in enumerate(queues):
             tag = next(self._tags)
             self._probes[tag] = (batch, index, queue)
-            self.ch.basic_publish(
-                exchange="",
-                routing_key=queue,
-                body=b"",
-                properties=pika.BasicProperties(message_id=str(tag)),
-                mandatory=True,
-            )
+            self._in_flight.setdefault(queue, deque()).append(tag)
+            publish(exchange="", routing_key=queue, body=b"", mandatory=True)
 
     def notify(self, queue: str, count: int, hops: int = 0) -> None:
         for _ in range(count):
             self._probes[next(self._tags)] = None
             self.ch.basic_publish(exchange="", routing_key=queue, body=str(hops).encode())
 
-    def _returned(self, _ch: Any, _method: Any, properties: Any, _body: bytes) -> None:
+    def _returned(self, _ch: Any, method: Any, _properties: Any, _body: bytes) -> None:
         # A mandatory publish nobody could route comes back before its ack (AMQP 0-9-1).
-        try:
-            entry = self._probes.get(int(properties.message_id))
-        except (TypeError, ValueError):
+        tags = self._in_flight.get(method.routing_key)
+        if not tags:
             return
+        entry = self._probes.get(tags.popleft())
+        if not tags:
+            del self._in_flight[method.routing_key]
         if entry is not None:
             entry[0].found[entry[1]] = False
 
@@ -168,8 +170,14 @@ class _Channel:
         nacked = isinstance(method, pika.spec.Basic.Nack)
         for t in tags:
             entry = self._probes.pop(t, None)
-            if entry is not None:
-                entry[0].settle(entry[1], ProbeNackedError(entry[2]) if nacked else None)
+            if entry is None:
+                continue
+            in_flight = self._in_flight.get(entry[2])
+            if in_flight and in_flight[0] == t:  # routed: no return consumed its tag
+                in_flight.popleft()
+                if not in_flight:
+                    del self._in_flight[entry[2]]
+            entry[0].settle(entry[1], ProbeNackedError(entry[2]) if nacked else None)
 
     # -- RPCs -----------------------------------------------------------------------------------
 
