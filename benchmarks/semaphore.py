@@ -102,7 +102,7 @@ class Sizes:
 
 
 DEFAULT_SIZES = Sizes(
-    iterations=3000,
+    iterations=2000,
     warmup=200,
     rounds=6,
     handoffs=400,
@@ -112,8 +112,8 @@ DEFAULT_SIZES = Sizes(
     handoff_deadline_s=90.0,
 )
 QUICK_SIZES = Sizes(
-    iterations=400,
-    warmup=50,
+    iterations=300,
+    warmup=40,
     rounds=2,
     handoffs=120,
     handoff_warmup=10,
@@ -263,6 +263,9 @@ def handoff_worker(
 @dataclass
 class HandoffResult:
     gaps_ms: list[float]
+    #: The gaps split by whether the next holder is the process that just released.
+    same_worker_gaps_ms: list[float]
+    other_worker_gaps_ms: list[float]
     collisions: int
     acquisitions: int
     same_worker: int
@@ -330,23 +333,30 @@ def run_handoff(url: str, name: str, namespace: str, sizes: Sizes) -> HandoffRes
         results.close()
 
     records.sort()
+    acquisitions = len(records)
     gaps: list[float] = []
-    collisions = same_worker = overlaps = 0
+    same: list[float] = []
+    other: list[float] = []
+    collisions = overlaps = 0
     for i in range(1, len(records)):
         prev, cur = records[i - 1], records[i]
         gap_ms = (cur[0] - prev[1]) * 1e3
         if gap_ms < 0:
             overlaps += 1  # two holders at once: would be a mutual-exclusion bug
-        if i <= sizes.handoff_warmup:
+        # Skip the warm-up, and the overrun past `total`: once workers start leaving, only
+        # blocked waiters are left and the handoffs are no longer like the steady state.
+        if i <= sizes.handoff_warmup or i >= total:
             continue
         gaps.append(gap_ms)
         collisions += cur[2]
-        same_worker += cur[3] == prev[3]
+        (same if cur[3] == prev[3] else other).append(gap_ms)
     return HandoffResult(
         gaps_ms=gaps,
+        same_worker_gaps_ms=same,
+        other_worker_gaps_ms=other,
         collisions=collisions,
-        acquisitions=len(records),
-        same_worker=same_worker,
+        acquisitions=acquisitions,
+        same_worker=len(same),
         overlaps=overlaps,
         errors=errors,
         elapsed_s=elapsed,
@@ -608,6 +618,17 @@ def run(url: str, source: str, sizes: Sizes) -> dict[str, Any]:
             "hold_ms": sizes.hold_ms,
             "collisions": handoff.collisions,
             "same_worker_reacquired": handoff.same_worker,
+            "same_worker_median_ms": (
+                statistics.median(handoff.same_worker_gaps_ms)
+                if handoff.same_worker_gaps_ms
+                else None
+            ),
+            "other_worker_handoffs": len(handoff.other_worker_gaps_ms),
+            "other_worker_median_ms": (
+                statistics.median(handoff.other_worker_gaps_ms)
+                if handoff.other_worker_gaps_ms
+                else None
+            ),
             "gaps_over_100ms": sum(g > 100 for g in handoff.gaps_ms),
             "overlaps": handoff.overlaps,
             "errors": handoff.errors,
@@ -648,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"pika {env['pika']}, aio-pika {env['aio_pika']}, amqp_locks {env['amqp_locks']}, "
         f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable), {env['platform']}"
     )
+    if env["load_average"] is not None:
+        print("load average at start: " + ", ".join(f"{x:.2f}" for x in env["load_average"]))
     counts = result["iterations"]
     print(
         f"{counts['floor_declare_delete_ms']} samples per single-process metric "
@@ -669,6 +692,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = {key: result[key] for key in ordered}
     print(format_table(metrics, result["pass"]))
     handoff = result["handoff"]
+
+    def median_text(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f} ms"
+
+    print(
+        f"\nhandoffs: {handoff['same_worker_reacquired']} re-acquired by the releasing process "
+        f"(median {median_text(handoff['same_worker_median_ms'])}), "
+        f"{handoff['other_worker_handoffs']} went to another process "
+        f"(median {median_text(handoff['other_worker_median_ms'])})"
+    )
     if handoff["overlaps"]:
         print(f"\nWARNING: {handoff['overlaps']} handoff(s) overlapped (two holders at once)")
     if handoff["errors"]:
