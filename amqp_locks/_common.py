@@ -132,7 +132,7 @@ class SemaphorePlan:
         return scan.count
 
     def exists(self) -> _flows.Flow[bool]:
-        (found,) = yield _flows.Probe((self.names.slot(1),))
+        (found,) = yield from _flows.probe((self.names.slot(1),))
         return bool(found)
 
     def held(self) -> _flows.Flow[tuple[int, ...]]:

@@ -11,8 +11,8 @@ return value is the result of the whole algorithm; when it raises, that is the e
 =================  =====================================  ===================================
 operation          broker action                          result sent back
 =================  =====================================  ===================================
-``Probe``          confirmed mandatory publishes, all     ``tuple[bool, ...]``: routed or not
-                   in flight at once (one round trip)
+``Probe``          confirmed mandatory publishes, all     ``tuple[bool | None, ...]``: routed,
+                   in flight at once (one round trip)     unroutable, or nacked (unknown)
 ``DeclareHolder``  declare an exclusive queue, then       a ``Claim``: ``LOST`` on
                    probe ``verify`` (pipelined where the  RESOURCE_LOCKED or if this
                    driver can)                            connection already holds it;
@@ -47,6 +47,7 @@ from .errors import (
     AdminBusyError,
     AmqpLocksError,
     ContentionError,
+    ProbeNackedError,
     SemaphoreExistsError,
     SemaphoreNotFoundError,
 )
@@ -145,6 +146,31 @@ class Policy:
     )
 
 
+#: A probe the broker nacked is asked again this many times in all before ProbeNackedError.
+PROBE_ATTEMPTS = 3
+
+
+def probe(queues: tuple[str, ...]) -> Flow[tuple[bool, ...]]:
+    """Existence of ``queues``, one round trip; nacked probes are asked again.
+
+    A nack means "unknown", never "missing": RabbitMQ nacks a message routed to a queue that
+    dies before confirming it (a B queue deleted by a concurrent release). Asking again
+    settles that race; a queue that nacks every time raises ProbeNackedError.
+    """
+    found: list[bool | None] = list((yield Probe(queues)))
+    for _ in range(1, PROBE_ATTEMPTS):
+        unknown = [i for i, f in enumerate(found) if f is None]
+        if not unknown:
+            break
+        again = yield Probe(tuple(queues[i] for i in unknown))
+        for i, f in zip(unknown, again):
+            found[i] = f
+    for queue, f in zip(queues, found):
+        if f is None:
+            raise ProbeNackedError(queue)
+    return tuple(bool(f) for f in found)
+
+
 def backoff(wait: tenacity.wait.wait_base, attempt: int) -> float:
     """Seconds to pause before retry number ``attempt`` (1-based), from a tenacity strategy."""
     state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
@@ -183,7 +209,7 @@ def scan_slots(names: SemaphoreNames, policy: Policy, hint: int = 0) -> Flow[Slo
     upto = max(hint, 4) + 1 + policy.overshoot
     while True:
         batch = tuple(names.slot(k) for k in range(len(exists) + 1, upto + 1))
-        exists.extend((yield Probe(batch)))
+        exists.extend((yield from probe(batch)))
         last_found = max((k for k, e in enumerate(exists, 1) if e), default=0)
         if len(exists) >= last_found + max(policy.overshoot, 1) or len(exists) > MAX_SLOTS:
             break
@@ -232,7 +258,7 @@ def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]
     """
     hi = max(hint, 1)
     ks = range(1, hi + 1)
-    found = yield Probe(
+    found = yield from probe(
         (*(names.holder(k) for k in ks), names.slot(hi + 1), names.slot(hi), names.slot(1))
     )
     if not found[-1]:
@@ -243,7 +269,7 @@ def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]
         lo, hi = hi + 1, min(2 * hi, MAX_SLOTS)
         ks = range(lo, hi + 1)
         n = len(ks)
-        found = yield Probe(
+        found = yield from probe(
             (
                 *(names.slot(k) for k in ks),
                 *(names.holder(k) for k in ks),
@@ -344,7 +370,9 @@ def verify(names: SemaphoreNames, slots: Sequence[int]) -> Flow[tuple[bool, ...]
     """Still held? For each slot, A[k] and our B[k] must both exist (one round trip for all)."""
     if not slots:
         return ()
-    found = yield Probe(tuple(names.slot(k) for k in slots) + tuple(names.holder(k) for k in slots))
+    found = yield from probe(
+        tuple(names.slot(k) for k in slots) + tuple(names.holder(k) for k in slots)
+    )
     n = len(slots)
     return tuple(a and b for a, b in zip(found[:n], found[n:]))
 
@@ -460,7 +488,7 @@ def held_slots(names: SemaphoreNames, policy: Policy) -> Flow[tuple[int, ...]]:
     """Slots whose B queue exists now, up to the count plus the overshoot (no mutex needed)."""
     scan = yield from scan_slots(names, policy)
     ks = range(1, scan.top + policy.overshoot + 1)
-    found = yield Probe(tuple(names.holder(k) for k in ks))
+    found = yield from probe(tuple(names.holder(k) for k in ks))
     return tuple(k for k, e in zip(ks, found) if e)
 
 
@@ -482,7 +510,7 @@ def wait_released(
     while True:
         if not slots:
             return True
-        found = yield Probe(tuple(names.holder(k) for k in slots))
+        found = yield from probe(tuple(names.holder(k) for k in slots))
         slots = [k for k, e in zip(slots, found) if e]
         if not slots:
             return True

@@ -876,3 +876,25 @@ def test_random_interleavings_never_give_one_slot_to_two_holders(
         while world.busy(admin):
             world.step(admin)
             world.check()
+
+
+def test_a_nacked_probe_is_asked_again_and_only_the_unknown_queues() -> None:
+    from amqp_locks._flows import probe
+
+    flow = probe(("a", "b", "c"))
+    assert next(flow) == Probe(("a", "b", "c"))
+    assert flow.send((True, None, False)) == Probe(("b",))
+    with pytest.raises(StopIteration) as done:
+        flow.send((True,))
+    assert done.value.value == (True, True, False)
+
+
+def test_a_queue_that_nacks_every_probe_raises_probe_nacked() -> None:
+    from amqp_locks._flows import PROBE_ATTEMPTS, probe
+
+    flow = probe(("odd",))
+    op = next(flow)
+    with pytest.raises(errors.ProbeNackedError, match="odd"):
+        for _ in range(PROBE_ATTEMPTS):
+            assert op == Probe(("odd",))
+            op = flow.send((None,))

@@ -32,7 +32,6 @@ from ..errors import (
     BrokerError,
     BrokerTimeoutError,
     BrokerUnavailableError,
-    ProbeNackedError,
     QueueMismatchError,
 )
 
@@ -269,6 +268,9 @@ class _AIO:
                 if op.verify is None:
                     return _flows.Claim.HELD
                 # aiormq holds publishes behind a pending RPC, so this costs a round trip.
+                # (Pipelining a no-wait declare instead makes aiormq write the probe after
+                # its Channel.CloseOk when the declare fails: the broker then closes the
+                # whole connection with 504 CHANNEL_ERROR.) A nacked verify counts as stale.
                 (exists,) = await asyncio.wait_for(self._probe(channel, (op.verify,)), timeout)
                 return _flows.Claim.HELD if exists else _flows.Claim.STALE
             if isinstance(op, _flows.DeclareDurable):
@@ -291,7 +293,9 @@ class _AIO:
             raise map_error(exc, queue) from exc
         raise AssertionError(f"unknown operation {op!r}")  # pragma: no cover
 
-    async def _probe(self, channel: aiormq.Channel, queues: tuple[str, ...]) -> tuple[bool, ...]:
+    async def _probe(
+        self, channel: aiormq.Channel, queues: tuple[str, ...]
+    ) -> tuple[bool | None, ...]:
         results = await asyncio.gather(
             *(
                 channel.basic_publish(b"", exchange="", routing_key=q, mandatory=True, wait=False)
@@ -299,16 +303,14 @@ class _AIO:
             ),
             return_exceptions=True,
         )
-        found: list[bool] = []
-        for queue, result in zip(queues, results):
+        found: list[bool | None] = []
+        for result in results:
             if isinstance(result, amqp_errors.PublishError):
                 found.append(False)  # Basic.Return NO_ROUTE: no queue by that name
-            elif isinstance(result, amqp_errors.DeliveryError):
-                raise ProbeNackedError(queue)
+            elif isinstance(result, (amqp_errors.DeliveryError, Basic.Nack)):
+                found.append(None)  # nacked: unknown, not missing; the flow asks again
             elif isinstance(result, BaseException):
                 raise result
-            elif isinstance(result, Basic.Nack):
-                raise ProbeNackedError(queue)
             else:
                 found.append(True)
         return tuple(found)

@@ -35,7 +35,6 @@ from ..errors import (
     BrokerError,
     BrokerTimeoutError,
     BrokerUnavailableError,
-    ProbeNackedError,
     QueueMismatchError,
 )
 
@@ -64,11 +63,12 @@ def map_close(reason: object, queue: str | None) -> BrokerError:
     return BrokerUnavailableError(f"connection to the broker lost: {reason!r}")
 
 
+ProbeDone = Callable[[tuple[bool | None, ...] | None, BaseException | None], None]
+
+
 class _ProbeBatch:
-    def __init__(
-        self, size: int, done: Callable[[tuple[bool, ...] | None, BaseException | None], None]
-    ) -> None:
-        self.found = [True] * size
+    def __init__(self, size: int, done: ProbeDone) -> None:
+        self.found: list[bool | None] = [True] * size
         self.remaining = size
         self.done = done
         self.finished = False
@@ -137,7 +137,7 @@ class _Channel:
     def probe(
         self,
         queues: tuple[str, ...],
-        done: Callable[[tuple[bool, ...] | None, BaseException | None], None],
+        done: ProbeDone,
     ) -> None:
         batch = _ProbeBatch(len(queues), done)
         publish = self.ch.basic_publish
@@ -177,7 +177,9 @@ class _Channel:
                 in_flight.popleft()
                 if not in_flight:
                     del self._in_flight[entry[2]]
-            entry[0].settle(entry[1], ProbeNackedError(entry[2]) if nacked else None)
+            if nacked:
+                entry[0].found[entry[1]] = None  # unknown, not missing: the flow asks again
+            entry[0].settle(entry[1], None)
 
     # -- RPCs -----------------------------------------------------------------------------------
 
@@ -549,7 +551,7 @@ class _IO:
         if isinstance(op, _flows.Probe):
             run.arm("an existence probe")
 
-            def probed(found: tuple[bool, ...] | None, error: BaseException | None) -> None:
+            def probed(found: tuple[bool | None, ...] | None, error: BaseException | None) -> None:
                 if error is not None:
                     run.abort(error)
                 else:
@@ -611,11 +613,13 @@ class _IO:
             if verify is None:
                 run.step(_flows.Claim.HELD)
 
-        def verified(found: tuple[bool, ...] | None, error: BaseException | None) -> None:
+        def verified(found: tuple[bool | None, ...] | None, error: BaseException | None) -> None:
             if error is not None:
                 if declared:  # a lost race is reported by lost_race, not here
                     run.abort(error)
             elif found is not None:
+                # A nack leaves A[k] unknown: call it stale, so the flow gives B[k] back and
+                # rescans, rather than hand out a slot it could not verify.
                 run.step(_flows.Claim.HELD if found[0] else _flows.Claim.STALE)
 
         run.arm(f"the declare of {queue!r}")
