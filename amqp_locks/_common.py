@@ -51,6 +51,8 @@ class SemaphorePlan:
         # Last slot count seen: the next acquire probes that many slots in its first round
         # trip. Racy updates are harmless: it is only a hint.
         self.hint = 0
+        # Slot to declare without probing on the next acquire, while the semaphore looks idle.
+        self.speculate: int | None = None
         # Slots this admin object removed: the default of wait_released().
         self.removed: set[int] = set()
 
@@ -72,10 +74,12 @@ class SemaphorePlan:
             blocking=blocking,
             timeout=check_timeout(timeout),
             hint=self.hint,
+            speculate=self.speculate,
         )
 
     def acquired(self, outcome: _flows.Acquired) -> None:
         self.hint = outcome.count
+        self.speculate = outcome.slot if outcome.idle else None
 
     # -- administration -----------------------------------------------------------------------
 

@@ -235,6 +235,9 @@ class Acquired:
     count: int
     #: Times the flow blocked waiting for a release.
     waits: int
+    #: Nobody else held a slot when we looked, and we neither waited nor lost a race: the
+    #: next acquire may declare this slot straight away (see ``speculate``).
+    idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,7 @@ class _Attempt:
     lost: int
     more_free: bool
     stale: bool = False
+    idle: bool = False
 
 
 def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]:
@@ -264,6 +268,7 @@ def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]
     if not found[-1]:
         raise SemaphoreNotFoundError(names.base)
     free = [k for k, held in zip(ks, found) if not held]
+    idle = len(free) == hi
     grown, hint_holds = found[hi], found[hi + 1]
     while grown and not free and hi < MAX_SLOTS:
         lo, hi = hi + 1, min(2 * hi, MAX_SLOTS)
@@ -291,7 +296,7 @@ def _attempt(names: SemaphoreNames, holder_id: str, hint: int) -> Flow[_Attempt]
         claim = yield DeclareHolder(names.holder(k), holder_id, verify=names.slot(k))
         if claim is Claim.HELD:
             more = i + 1 < len(free) or grown
-            return _Attempt(k, max(count, k), lost, more_free=more)
+            return _Attempt(k, max(count, k), lost, more_free=more, idle=idle and not lost)
         if claim is Claim.LOST:
             lost += 1
             continue
@@ -312,18 +317,35 @@ def acquire(
     blocking: bool,
     timeout: float | None,
     hint: int = 0,
+    speculate: int | None = None,
 ) -> Flow[Acquired]:
     """Acquire one slot: the spec's probe-A, probe-B, declare-B loop, then wait and repeat.
 
     Returns ``Acquired(slot=None)`` only when ``blocking`` is False and every slot is held.
     A blocked acquire sleeps on the wake queue (one token per release wakes one waiter) with a
     jittered poll as the fallback, until ``timeout`` seconds have passed.
+
+    ``speculate``: a slot to declare before any probe — given only when the previous acquire
+    found the semaphore idle (no holder anywhere). The probes exist to avoid the declare race
+    that costs a channel (RESOURCE_LOCKED); on an idle semaphore there is nobody to race, and
+    skipping them saves a round trip. The declare is verified as usual; if the guess was wrong
+    (held after all, or gone) the flow falls back to the spec's scan.
     """
     deadline = None if timeout is None else clock() + timeout
     collisions = 0
     rounds_lost = 0
     waits = 0
     woken = False
+    if speculate is not None:
+        claim = yield DeclareHolder(
+            names.holder(speculate), holder_id, verify=names.slot(speculate)
+        )
+        if claim is Claim.HELD:
+            return Acquired(speculate, 0, max(hint, speculate), 0, idle=True)
+        if claim is Claim.STALE:
+            yield Delete(names.holder(speculate))
+        else:
+            collisions += 1
     while True:
         attempt = yield from _attempt(names, holder_id, hint)
         collisions += attempt.lost
@@ -333,7 +355,8 @@ def acquire(
                 # Tokens can be dropped (the wake queue keeps one); whoever is woken and sees
                 # more free slots passes a token on, so other waiters are not left to the poll.
                 yield Notify(names.wake)
-            return Acquired(attempt.slot, collisions, hint, waits)
+            idle = attempt.idle and not collisions and not waits
+            return Acquired(attempt.slot, collisions, hint, waits, idle=idle)
         if attempt.stale:
             continue  # the hint strictly shrank: rescan at once
         remaining = None if deadline is None else deadline - clock()

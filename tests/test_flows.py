@@ -66,6 +66,7 @@ def acquire_flow(
     blocking: bool = False,
     timeout: float | None = None,
     hint: int = 0,
+    speculate: int | None = None,
     rng: Callable[[], float] = random.random,
 ) -> _flows.Flow[Acquired]:
     return _flows.acquire(
@@ -77,6 +78,7 @@ def acquire_flow(
         blocking=blocking,
         timeout=timeout,
         hint=hint,
+        speculate=speculate,
     )
 
 
@@ -898,3 +900,57 @@ def test_a_queue_that_nacks_every_probe_raises_probe_nacked() -> None:
         for _ in range(PROBE_ATTEMPTS):
             assert op == Probe(("odd",))
             op = flow.send((None,))
+
+
+def test_an_acquire_that_found_the_semaphore_idle_says_so(broker, plan, names) -> None:
+    create(broker, plan, 3)
+    assert acquire(broker, names, hint=3).idle
+    broker.hold(names, 3, "other")
+    # slot 1 is ours now, slot 3 someone else's: not idle any more
+    assert not acquire(broker, names, hint=3).idle
+
+
+def test_on_an_idle_semaphore_acquire_declares_the_guessed_slot_without_probing(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 3)
+    mark = broker.mark()
+    outcome = acquire(broker, names, hint=3, speculate=1)
+    assert (outcome.slot, outcome.collisions, outcome.idle) == (1, 0, True)
+    assert broker.ops(since=mark) == [
+        DeclareHolder(names.holder(1), "client", verify=names.slot(1))
+    ]
+
+
+def test_a_wrong_guess_on_a_held_slot_costs_one_lost_race_then_the_spec_scan(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 3)
+    broker.hold(names, 1, "other")
+    mark = broker.mark()
+    outcome = acquire(broker, names, hint=3, speculate=1)
+    assert (outcome.slot, outcome.collisions, outcome.idle) == (2, 1, False)
+    ops = broker.ops(since=mark)
+    assert ops[0] == DeclareHolder(names.holder(1), "client", verify=names.slot(1))
+    assert isinstance(ops[1], Probe)
+
+
+def test_a_guess_at_a_removed_slot_gives_the_holder_queue_back_and_scans(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 2)
+    mark = broker.mark()
+    outcome = acquire(broker, names, hint=5, speculate=5)
+    assert outcome.slot == 1
+    ops = broker.ops(since=mark)
+    assert ops[:2] == [
+        DeclareHolder(names.holder(5), "client", verify=names.slot(5)),
+        Delete(names.holder(5)),
+    ]
+    assert names.holder(5) not in broker.exclusive
+
+
+def test_a_guess_on_a_missing_semaphore_still_raises_not_found(broker, plan, names) -> None:
+    with pytest.raises(errors.SemaphoreNotFoundError):
+        acquire(broker, names, speculate=1)
+    assert names.holder(1) not in broker.exclusive

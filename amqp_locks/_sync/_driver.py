@@ -433,12 +433,26 @@ class _IO:
         return threading.current_thread() is self._thread
 
     def submit(
-        self, flow: _flows.Flow[T]
-    ) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
-        """Start ``flow`` in the I/O thread (thread-safe). Returns its future and a canceller."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self,
+        flow: _flows.Flow[Any],
+        *,
+        before: Callable[[], None] | None = None,
+        after: Callable[[Any], Any] | None = None,
+    ) -> tuple[concurrent.futures.Future[Any], Callable[[], None]]:
+        """Start ``flow`` in the I/O thread (thread-safe). Returns its future and a canceller.
+
+        ``before()`` runs in the I/O thread first; ``after(result)`` runs there on success and
+        its value becomes the future's result. Bookkeeping done there (tracking a new lease,
+        forgetting a released one) cannot race a connection loss, and costs no extra wake-up.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:
+            if error is None and after is not None:
+                try:
+                    result = after(result)
+                except BaseException as exc:
+                    error = exc
             if error is None:
                 future.set_result(result)
             else:
@@ -447,6 +461,8 @@ class _IO:
         run = _Run(self, flow, done)
 
         def start() -> None:
+            if before is not None:
+                before()
             if self.dead:
                 run.abort(BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
                 return
@@ -458,26 +474,19 @@ class _IO:
             self._threadsafe(lambda: run.abort(OperationCancelled("the caller stopped waiting")))
 
         if self.dead:
+            if before is not None:
+                before()
             done(None, BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
         else:
             self._threadsafe(start)
         return future, cancel
 
     def track(self, lease: LeaseState[Any]) -> None:
-        """Watch a new lease for loss (thread-safe)."""
-
-        def add() -> None:
-            if self.dead:
-                lease.mark_lost(self.dead_reason or "connection closed")
-            elif lease.held:
-                self.leases.add(lease)
-
-        self._threadsafe(add)
+        """Watch a new lease for loss. I/O thread only (pass it as ``after`` work)."""
         if self.dead:
             lease.mark_lost(self.dead_reason or "connection closed")
-
-    def untrack(self, lease: LeaseState[Any]) -> None:
-        self._threadsafe(lambda: self.leases.discard(lease))
+        else:
+            self.leases.add(lease)
 
     # -- helpers for runs (I/O thread) ----------------------------------------------------------
 

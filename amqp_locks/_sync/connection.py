@@ -96,9 +96,23 @@ class Connection:
         flow: _flows.Flow[T],
         *,
         io: _IO | None = None,
-        on_orphan: Callable[[T], Any] | None = None,
+        before: Callable[[], None] | None = None,
     ) -> tuple[T, _IO]:
         """Run a flow to completion in the I/O thread; return its result and the I/O used."""
+        result, io = self._call(flow, io=io, before=before)
+        return result, io
+
+    def _call(
+        self,
+        flow: _flows.Flow[Any],
+        *,
+        io: _IO | None = None,
+        on_orphan: Callable[[Any], Any] | None = None,
+        before: Callable[[], None] | None = None,
+        after: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, _IO]:
+        """As ``_run``, with ``before``/``after`` work in the I/O thread (``_IO.submit``)
+        and ``on_orphan(result)`` for a result that arrives after the caller gave up."""
         io = io or self._live()
         if io.pid != os.getpid():
             raise ClosedError(
@@ -111,7 +125,7 @@ class Connection:
                 "blocking amqp_locks calls cannot be made from an on_lost callback (it runs "
                 "in the connection's I/O thread); hand the work to another thread"
             )
-        future, cancel = io.submit(flow)
+        future, cancel = io.submit(flow, before=before, after=after)
         try:
             return future.result(), io
         except BaseException:

@@ -116,11 +116,16 @@ class Lease:
         """Free the slot and wake one waiter. Idempotent; a lost lease has nothing to free."""
         if not self._state.mark_released():
             return
-        if self._io.dead or self._io.pid != os.getpid():
+        io = self._io
+        if io.dead or io.pid != os.getpid():
             return  # freed with the connection; or the parent's, after a fork: not ours
-        self._io.untrack(self._state)
+        state = self._state
         try:
-            self._connection._run(_flows.release(self._state.plan.names, self.slot), io=self._io)
+            self._connection._run(
+                _flows.release(state.plan.names, self.slot),
+                io=io,
+                before=lambda: io.leases.discard(state),
+            )
         except Exception:
             # The slot is freed with the connection anyway; nothing the caller can do.
             log.warning("could not release %s cleanly", self._state.describe(), exc_info=True)
@@ -230,20 +235,33 @@ class Semaphore:
     ) -> Lease | None:
         holder_id = holder_thread_id(self.connection.client_id)
         flow = self._plan.acquire(holder_id, blocking=blocking, timeout=timeout)
+        io = self.connection._live()
 
-        def give_back(outcome: _flows.Acquired) -> None:
-            if outcome.slot is not None:
-                orphan_io.submit(_flows.release(self._plan.names, outcome.slot))
+        def adopt(outcome: _flows.Acquired) -> LeaseState[Lease] | None:
+            # In the I/O thread, as the flow ends: from here on a connection loss marks the
+            # new lease lost; there is no gap in which it could be missed.
+            self._plan.acquired(outcome)
+            if outcome.slot is None:
+                return None
+            state: LeaseState[Lease] = LeaseState(
+                self._plan, outcome.slot, holder_id, outcome, on_lost
+            )
+            io.track(state)
+            return state
 
-        orphan_io = self.connection._live()
-        outcome, io = self.connection._run(flow, io=orphan_io, on_orphan=give_back)
-        self._plan.acquired(outcome)
-        if outcome.slot is None:
+        def give_back(state: LeaseState[Lease] | None) -> None:
+            if state is not None and state.mark_released():
+                io.submit(
+                    _flows.release(self._plan.names, state.slot),
+                    before=lambda: io.leases.discard(state),
+                )
+
+        state, _ = self.connection._call(flow, io=io, on_orphan=give_back, after=adopt)
+        if state is None:
             return None
-        state: LeaseState[Lease] = LeaseState(self._plan, outcome.slot, holder_id, outcome, on_lost)
         lease = Lease(state, io, self.connection)
-        io.track(state)
-        log.debug("acquired %s as %s", state.describe(), holder_id)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("acquired %s as %s", state.describe(), holder_id)
         return lease
 
     def __enter__(self) -> Lease:
