@@ -79,7 +79,9 @@ class SemaphorePlan:
 
     def acquired(self, outcome: _flows.Acquired) -> None:
         self.hint = outcome.count
-        self.speculate = outcome.slot if outcome.idle else None
+        # Not on a one-slot semaphore (a mutex): there our own release has just woken a
+        # waiter, who goes for that very slot, and a guessed declare would only race it.
+        self.speculate = outcome.slot if outcome.idle and outcome.count >= 2 else None
 
     # -- administration -----------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ operation          broker action                          result sent back
 ``Delete``         delete a queue, wait for delete-ok     ``None``
 ``Notify``         publish wake tokens (fire and forget)  ``None``
 ``Sleep``          wait                                   ``None``
-``AwaitWake``      wait for a wake token or the timeout   ``True`` if a token woke us
+``AwaitWake``      wait for a wake token or the timeout   ``None`` on timeout; else the slot
+                                                          the token names (0: none)
 =================  =====================================  ===================================
 
 Drivers never throw into a flow: a broker failure aborts the flow (``close()``) and the driver
@@ -104,6 +105,8 @@ class Delete:
 class Notify:
     queue: str
     count: int = 1
+    #: The slot just freed (0: none in particular), carried in the token to the waiter.
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,23 @@ class AwaitWake:
     queue: str
     seconds: float
 
+
+def wake_token(slot: int, hops: int = 0) -> bytes:
+    """The body of a wake token: the slot it announces (0: any) and how often it was passed on."""
+    return f"{slot}:{hops}".encode()
+
+
+def parse_wake_token(body: bytes) -> tuple[int, int]:
+    """``(slot, hops)`` of a token body; a malformed body counts as worn out."""
+    try:
+        slot, hops = body.split(b":")
+        return max(int(slot), 0), int(hops)
+    except ValueError:
+        return 0, WAKE_HOPS
+
+
+#: A token nobody waits for where it lands is passed on at most this many times.
+WAKE_HOPS = 16
 
 Op = Probe | DeclareHolder | DeclareDurable | Delete | Notify | Sleep | AwaitWake
 Flow = Generator[Op, Any, T]
@@ -336,17 +356,18 @@ def acquire(
     rounds_lost = 0
     waits = 0
     woken = False
-    if speculate is not None:
-        claim = yield DeclareHolder(
-            names.holder(speculate), holder_id, verify=names.slot(speculate)
-        )
-        if claim is Claim.HELD:
-            return Acquired(speculate, 0, max(hint, speculate), 0, idle=True)
-        if claim is Claim.STALE:
-            yield Delete(names.holder(speculate))
-        else:
-            collisions += 1
+    guess = speculate
     while True:
+        if guess is not None:
+            claim = yield DeclareHolder(names.holder(guess), holder_id, verify=names.slot(guess))
+            if claim is Claim.HELD:
+                idle = not woken and not collisions
+                return Acquired(guess, collisions, max(hint, guess), waits, idle=idle)
+            if claim is Claim.STALE:
+                yield Delete(names.holder(guess))
+            else:
+                collisions += 1
+            guess = None
         attempt = yield from _attempt(names, holder_id, hint)
         collisions += attempt.lost
         hint = attempt.count
@@ -380,13 +401,18 @@ def acquire(
         if remaining is not None:
             pause = min(pause, remaining)
         waits += 1
-        woken = bool((yield AwaitWake(names.wake, pause)))
+        token = yield AwaitWake(names.wake, pause)
+        woken = token is not None
+        # A release's token names the slot it freed: declare it straight away. The releaser
+        # (if it acquires again at once) has to probe first, so the woken waiter usually
+        # gets there first instead of both racing for the slot.
+        guess = token or None
 
 
 def release(names: SemaphoreNames, slot: int) -> Flow[None]:
     """Give slot ``slot`` back: delete our B queue, then wake one waiter."""
     yield Delete(names.holder(slot))
-    yield Notify(names.wake)
+    yield Notify(names.wake, slot=slot)
 
 
 def verify(names: SemaphoreNames, slots: Sequence[int]) -> Flow[tuple[bool, ...]]:

@@ -339,10 +339,11 @@ def _resized(args: argparse.Namespace, admin: SemaphoreAdmin, slots: int) -> Non
     )
 
 
-def _cmd_resize(args: argparse.Namespace) -> int:
+def _cmd_resize_or_remove(args: argparse.Namespace) -> int:
     _check_wait(args)
     with _admin(args) as admin, _Progress(_waiting_label(admin), enabled=args.wait):
-        slots = admin.resize(args.slots, wait=args.wait, timeout=args.timeout)
+        change = admin.resize if args.cmd == "resize" else admin.remove
+        slots = change(args.slots, wait=args.wait, timeout=args.timeout)
     _resized(args, admin, slots)
     return Exit.OK
 
@@ -350,14 +351,6 @@ def _cmd_resize(args: argparse.Namespace) -> int:
 def _cmd_add(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         slots = admin.add(args.slots)
-    _resized(args, admin, slots)
-    return Exit.OK
-
-
-def _cmd_remove(args: argparse.Namespace) -> int:
-    _check_wait(args)
-    with _admin(args) as admin, _Progress(_waiting_label(admin), enabled=args.wait):
-        slots = admin.remove(args.slots, wait=args.wait, timeout=args.timeout)
     _resized(args, admin, slots)
     return Exit.OK
 
@@ -1051,12 +1044,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=_count, required=True, metavar="N", help="number of slots")
     p = named("ensure", _cmd_ensure, "create a semaphore, or resize it to N slots")
     p.add_argument("--slots", type=_count, required=True, metavar="N", help="number of slots")
-    p = named("resize", _cmd_resize, "set the number of slots of an existing semaphore")
+    p = named("resize", _cmd_resize_or_remove, "set the number of slots of an existing semaphore")
     p.add_argument("slots", type=_count, metavar="N", help="the new number of slots")
     _wait_options(p)
     p = named("add", _cmd_add, "add N slots")
     p.add_argument("slots", type=_count, metavar="N", help="slots to add")
-    p = named("remove", _cmd_remove, "remove the N highest slots")
+    p = named("remove", _cmd_resize_or_remove, "remove the N highest slots")
     p.add_argument("slots", type=_count, metavar="N", help="slots to remove")
     _wait_options(p)
     p = named("destroy", _cmd_destroy, "delete every slot of a semaphore")

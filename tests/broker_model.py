@@ -93,8 +93,10 @@ class BrokerModel:
     exclusive: dict[str, str] = field(default_factory=dict)
     #: Holder id given when each exclusive queue was declared (x-amqp-locks-holder).
     holder_ids: dict[str, str] = field(default_factory=dict)
-    #: Ready messages (wake tokens) per queue.
+    #: Ready messages (wake tokens) per queue: how many.
     messages: dict[str, int] = field(default_factory=dict)
+    #: The slot each ready token names (0: any), oldest first.
+    tokens: dict[str, list[int]] = field(default_factory=dict)
     log: list[Record] = field(default_factory=list)
 
     # -- time ------------------------------------------------------------------------------------
@@ -147,8 +149,11 @@ class BrokerModel:
         if isinstance(op, Notify):
             if self.exists(op.queue):
                 cap = self.durable.get(op.queue, {}).get("x-max-length")
-                total = self.messages.get(op.queue, 0) + op.count
-                self.messages[op.queue] = total if cap is None else min(total, cap)
+                queued = self.tokens.setdefault(op.queue, []) + [op.slot] * op.count
+                if cap is not None:
+                    queued = queued[len(queued) - cap :] if cap else []  # drop-head
+                self.tokens[op.queue] = queued
+                self.messages[op.queue] = len(queued)
             return None
         if isinstance(op, Sleep):
             assert op.seconds >= 0, op
@@ -158,9 +163,10 @@ class BrokerModel:
             assert op.seconds >= 0, op
             if self.messages.get(op.queue, 0) > 0:
                 self.messages[op.queue] -= 1
-                return True
+                queued = self.tokens.get(op.queue) or [0]
+                return queued.pop(0)
             self.now_ += op.seconds
-            return False
+            return None
         raise TypeError(f"unknown operation {op!r}")
 
     def _drop(self, queue: str) -> None:
@@ -168,6 +174,7 @@ class BrokerModel:
         self.exclusive.pop(queue, None)
         self.holder_ids.pop(queue, None)
         self.messages.pop(queue, None)
+        self.tokens.pop(queue, None)
 
     # -- connections -----------------------------------------------------------------------------
 

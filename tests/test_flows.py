@@ -152,10 +152,11 @@ def test_model_wake_tokens_are_capped_by_max_length_and_missing_queues_drop_them
 ) -> None:
     broker.execute(Notify("nowhere", 3), "c")
     broker.execute(DeclareDurable("w", _flows.WAKE_ARGUMENTS), "c")
-    broker.execute(Notify("w", 5), "c")
-    assert broker.execute(AwaitWake("w", 2.0), "c") is True
+    broker.execute(Notify("w", 4, slot=1), "c")
+    broker.execute(Notify("w", 1, slot=2), "c")
+    assert broker.execute(AwaitWake("w", 2.0), "c") == 2  # drop-head kept the newest
     before = broker.now()
-    assert broker.execute(AwaitWake("w", 2.0), "c") is False
+    assert broker.execute(AwaitWake("w", 2.0), "c") is None
     assert broker.now() == before + 2.0
 
 
@@ -416,9 +417,10 @@ def test_release_deletes_the_holder_queue_then_notifies_the_wake_queue(broker, p
     create(broker, plan, 2)
     slot = acquire(broker, names).slot
     broker.messages.clear()
+    broker.tokens.clear()
     mark = broker.mark()
     run(_flows.release(names, slot), CLIENT, broker)
-    assert broker.ops(since=mark) == [Delete(names.holder(slot)), Notify(names.wake)]
+    assert broker.ops(since=mark) == [Delete(names.holder(slot)), Notify(names.wake, slot=slot)]
     assert broker.holders(names) == {}
     assert broker.messages[names.wake] == 1
 
@@ -954,3 +956,23 @@ def test_a_guess_on_a_missing_semaphore_still_raises_not_found(broker, plan, nam
     with pytest.raises(errors.SemaphoreNotFoundError):
         acquire(broker, names, speculate=1)
     assert names.holder(1) not in broker.exclusive
+
+
+def test_a_waiter_woken_by_a_release_declares_the_freed_slot_without_probing(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 2)
+    broker.hold(names, 1, "other")
+    broker.hold(names, 2, "other")
+    inter = Interleaver(broker)
+    inter.start("w", acquire_flow(broker, names, hint=2, blocking=True, timeout=30), CLIENT)
+    inter.step_until("w", lambda op: isinstance(op, AwaitWake))
+    broker.execute(Delete(names.holder(2)), "other")  # the holder of slot 2 lets go ...
+    broker.execute(Notify(names.wake, slot=2), "other")  # ... and says which slot it freed
+    mark = broker.mark()
+    outcome = inter.finish("w")
+    assert outcome.slot == 2
+    assert broker.ops(conn=CLIENT, since=mark)[:2] == [
+        AwaitWake(names.wake, broker.ops(conn=CLIENT, since=mark)[0].seconds),
+        DeclareHolder(names.holder(2), "client", verify=names.slot(2)),
+    ]

@@ -38,7 +38,6 @@ from ..errors import (
 log = logging.getLogger("amqp_locks.aio")
 T = TypeVar("T")
 
-_WAKE_HOPS = 16
 _WAKE_RETRY = 5.0
 
 
@@ -58,7 +57,7 @@ def map_error(exc: BaseException, queue: str | None) -> BaseException:
 class _Wake:
     def __init__(self, queue: str) -> None:
         self.queue = queue
-        self.waiters: deque[asyncio.Future[bool]] = deque()
+        self.waiters: deque[asyncio.Future[int]] = deque()
         self.channel: aiormq.Channel | None = None
         self.tag: str | None = None
         self.busy = False
@@ -126,7 +125,7 @@ class _AIO:
         for wake in self._wakes.values():
             for waiter in wake.waiters:
                 if not waiter.done():
-                    waiter.set_result(True)
+                    waiter.set_result(0)
 
     async def close(self) -> None:
         for lease in list(self.leases):
@@ -232,7 +231,7 @@ class _AIO:
         if isinstance(op, _flows.AwaitWake):
             return await self._await_wake(op)
         if isinstance(op, _flows.Notify):
-            await self._notify(op.queue, op.count, 0)
+            await self._notify(op.queue, op.count, _flows.wake_token(op.slot))
             return None
         if isinstance(op, _flows.DeclareHolder) and op.queue in self.claims:
             # Held by this connection already (another task's lease): to the broker that
@@ -315,30 +314,28 @@ class _AIO:
                 found.append(True)
         return tuple(found)
 
-    async def _notify(self, queue: str, count: int, hops: int) -> None:
+    async def _notify(self, queue: str, count: int, body: bytes) -> None:
         try:
             channel = await self._plain_channel()
             for _ in range(count):
-                await channel.basic_publish(
-                    str(hops).encode(), exchange="", routing_key=queue, wait=False
-                )
+                await channel.basic_publish(body, exchange="", routing_key=queue, wait=False)
         except Exception:
             # A lost token only delays a waiter until its poll; never fail a release for it.
             log.debug("could not publish a wake token to %r", queue, exc_info=True)
 
     # -- waking ---------------------------------------------------------------------------------
 
-    async def _await_wake(self, op: _flows.AwaitWake) -> bool:
+    async def _await_wake(self, op: _flows.AwaitWake) -> int | None:
         wake = self._wakes.get(op.queue)
         if wake is None:
             wake = self._wakes[op.queue] = _Wake(op.queue)
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         wake.waiters.append(waiter)
         self._sync_consumer(wake)
         try:
             return await asyncio.wait_for(waiter, op.seconds)
         except (asyncio.TimeoutError, TimeoutError):
-            return False
+            return None
         finally:
             with contextlib.suppress(ValueError):
                 wake.waiters.remove(waiter)
@@ -387,16 +384,13 @@ class _AIO:
             wake.busy = False
 
     async def _token(self, wake: _Wake, message: aiormq.abc.DeliveredMessage) -> None:
+        slot, hops = _flows.parse_wake_token(message.body or b"")
         for waiter in wake.waiters:
             if not waiter.done():
-                waiter.set_result(True)
+                waiter.set_result(slot)
                 return
-        try:
-            hops = int(message.body or b"0")
-        except ValueError:
-            hops = _WAKE_HOPS
-        if hops < _WAKE_HOPS:
-            await self._notify(wake.queue, 1, hops + 1)
+        if hops < _flows.WAKE_HOPS:
+            await self._notify(wake.queue, 1, _flows.wake_token(slot, hops + 1))
 
     # -- lease verification ---------------------------------------------------------------------
 

@@ -43,7 +43,6 @@ T = TypeVar("T")
 Done = Callable[[Any, BaseException | None], None]
 
 _RESOURCE_LOCKED = 405
-_WAKE_HOPS = 16  # a token nobody here waits for is passed on at most this many times
 _WAKE_RETRY = 5.0  # after a failed consume (no wake queue), fall back to polling this long
 
 
@@ -147,10 +146,11 @@ class _Channel:
             self._in_flight.setdefault(queue, deque()).append(tag)
             publish(exchange="", routing_key=queue, body=b"", mandatory=True)
 
-    def notify(self, queue: str, count: int, hops: int = 0) -> None:
+    def notify(self, queue: str, count: int, slot: int) -> None:
+        body = _flows.wake_token(slot)
         for _ in range(count):
             self._probes[next(self._tags)] = None
-            self.ch.basic_publish(exchange="", routing_key=queue, body=str(hops).encode())
+            self.ch.basic_publish(exchange="", routing_key=queue, body=body)
 
     def _returned(self, _ch: Any, method: Any, _properties: Any, _body: bytes) -> None:
         # A mandatory publish nobody could route comes back before its ack (AMQP 0-9-1).
@@ -593,7 +593,7 @@ class _IO:
                 doomed, ok=deleted, fail=lambda reason: run.abort(map_close(reason, doomed))
             )
         elif isinstance(op, _flows.Notify):
-            channel.notify(op.queue, op.count)
+            channel.notify(op.queue, op.count, op.slot)
             run.later(None)
         else:  # pragma: no cover - the Op union is closed
             raise AssertionError(f"unknown operation {op!r}")
@@ -657,14 +657,14 @@ class _IO:
 
         def timed_out() -> None:
             waiter.timer = None
-            self._resume(wake, waiter, False)
+            self._resume(wake, waiter, None)
 
         waiter.timer = self.call_later(op.seconds, timed_out)
         self._sync_consumer(wake)
 
-    def _resume(self, wake: _Wake, waiter: _Waiter, woken: bool) -> None:
+    def _resume(self, wake: _Wake, waiter: _Waiter, token: int | None) -> None:
         self.unwait(wake, waiter)
-        waiter.run.step(woken)
+        waiter.run.step(token)
 
     def unwait(self, wake: _Wake, waiter: _Waiter) -> None:
         if waiter.timer is not None:
@@ -721,15 +721,12 @@ class _IO:
             self._sync_consumer(wake)
 
         def token(ch: Any, _method: Any, _props: Any, body: bytes) -> None:
+            slot, hops = _flows.parse_wake_token(body)
             if wake.waiters:
-                self._resume(wake, wake.waiters[0], True)
-                return
-            try:
-                hops = int(body or b"0")
-            except ValueError:
-                hops = _WAKE_HOPS
-            if hops < _WAKE_HOPS:
-                ch.basic_publish(exchange="", routing_key=wake.queue, body=str(hops + 1).encode())
+                self._resume(wake, wake.waiters[0], slot)
+            elif hops < _flows.WAKE_HOPS:
+                body = _flows.wake_token(slot, hops + 1)
+                ch.basic_publish(exchange="", routing_key=wake.queue, body=body)
 
         wake.tag = wake.channel.basic_consume(wake.queue, token, auto_ack=True, callback=consuming)
 
@@ -738,7 +735,7 @@ class _IO:
         wake.tag = None
         wake.busy = False
         for waiter in list(wake.waiters):
-            self._resume(wake, waiter, True)
+            self._resume(wake, waiter, 0)
 
     # -- lease verification ---------------------------------------------------------------------
 
