@@ -85,8 +85,9 @@ class SemaphoreExistsError(AmqpLocksError):
         self.name = name
         self.slots = slots
         super().__init__(
-            f"semaphore {name!r} already exists with {slots} slot(s); use ensure() or "
-            "resize() to change its size"
+            f"semaphore {name!r} already exists with {slots} slot(s); to set its size "
+            "whether or not it exists, use ensure (SemaphoreAdmin.ensure() or "
+            "`amqp-locks ensure`), or resize it"
         )
 
 

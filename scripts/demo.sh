@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh >&2
-exec "${VENV:-.venv}/bin/python" -m amqp_locks.demo "$@"
+exec "${VENV:-.venv}/bin/amqp-locks" demo "$@"

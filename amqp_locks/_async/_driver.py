@@ -105,7 +105,8 @@ class _AIO:
         except Exception as exc:
             self.dead = True
             raise BrokerUnavailableError(
-                f"could not connect to {self.settings.url_for_humans}: {exc}; is the broker "
+                f"could not connect to {self.settings.url_for_humans}: "
+                f"{str(exc).strip() or type(exc).__name__}; is the broker "
                 "running, and are the credentials and vhost right?"
             ) from exc
         self.conn.close_callbacks.add(self._on_close)

@@ -46,6 +46,12 @@ _RESOURCE_LOCKED = 405
 _WAKE_RETRY = 5.0  # after a failed consume (no wake queue), fall back to polling this long
 
 
+def _describe(error: object) -> str:
+    """An error's text, or its type's name when pika gives none."""
+    text = str(error).strip()
+    return text or type(error).__name__
+
+
 class OperationCancelled(AmqpLocksError):
     """The caller stopped waiting for a flow (e.g. KeyboardInterrupt); it was aborted."""
 
@@ -381,8 +387,8 @@ class _IO:
     def _on_open_error(self, _conn: Any, error: object) -> None:
         self.dead = True
         self._open_error = BrokerUnavailableError(
-            f"could not connect to {self.settings.url_for_humans}: {error}; is the broker "
-            "running, and are the credentials and vhost right?"
+            f"could not connect to {self.settings.url_for_humans}: {_describe(error)}; "
+            "is the broker running, and are the credentials and vhost right?"
         )
         self._opened.set()
         self.conn.ioloop.stop()
