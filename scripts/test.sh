@@ -11,8 +11,8 @@ bash scripts/setup.sh
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
 
-echo "+ ruff check amqp_locks tests"
-"$PY" -m ruff check amqp_locks tests
+echo "+ ruff check amqp_locks tests examples benchmarks"
+"$PY" -m ruff check amqp_locks tests examples benchmarks
 
 echo "+ mypy amqp_locks"
 "$PY" -m mypy amqp_locks
