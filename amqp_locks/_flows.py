@@ -410,7 +410,12 @@ def acquire(
 
 
 def release(names: SemaphoreNames, slot: int) -> Flow[None]:
-    """Give slot ``slot`` back: delete our B queue, then wake one waiter."""
+    """Give slot ``slot`` back: delete our B queue, then wake one waiter.
+
+    The token goes out only after the delete-ok. Sent earlier (pipelined before the delete),
+    it reaches the waiter, whose declare then beats the queue's deletion (about a millisecond
+    on the broker) and fails with RESOURCE_LOCKED — measured: no fewer collisions.
+    """
     yield Delete(names.holder(slot))
     yield Notify(names.wake, slot=slot)
 
