@@ -4,6 +4,7 @@ public method runs, and the state of a lease. Nothing here does I/O."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -53,6 +54,9 @@ class SemaphorePlan:
         self.hint = 0
         # Slot to declare without probing on the next acquire, while the semaphore looks idle.
         self.speculate: int | None = None
+        # Did our last acquire wait or lose a race? When did we last release a slot?
+        self.contended = False
+        self.released_at = -math.inf
         # Slots this admin object removed: the default of wait_released().
         self.removed: set[int] = set()
 
@@ -75,13 +79,23 @@ class SemaphorePlan:
             timeout=check_timeout(timeout),
             hint=self.hint,
             speculate=self.speculate,
+            defer=self._defer() if blocking else 0.0,
         )
+
+    def _defer(self) -> float:
+        if not self.contended:
+            return 0.0
+        return max(0.0, self.policy.defer - (time.monotonic() - self.released_at))
+
+    def released(self) -> None:
+        self.released_at = time.monotonic()
 
     def acquired(self, outcome: _flows.Acquired) -> None:
         self.hint = outcome.count
         # Not on a one-slot semaphore (a mutex): there our own release has just woken a
         # waiter, who goes for that very slot, and a guessed declare would only race it.
         self.speculate = outcome.slot if outcome.idle and outcome.count >= 2 else None
+        self.contended = bool(outcome.waits or outcome.collisions)
 
     # -- administration -----------------------------------------------------------------------
 
@@ -233,7 +247,8 @@ class LeaseState(Generic[L]):
             if self.status != HELD:
                 return False
             self.status = RELEASED
-            return True
+        self.plan.released()
+        return True
 
     def mark_lost(self, reason: str) -> bool:
         with self._lock:

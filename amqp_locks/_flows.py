@@ -150,6 +150,10 @@ class Policy:
     #: Fallback poll period of a blocked acquire (jittered ±50 %): catches slots freed by
     #: holders that crashed, which send no wake token.
     poll_interval: float = 1.0
+    #: After releasing a slot of a contended semaphore, an acquire made right away first
+    #: waits up to this long: the waiter the release woke gets the slot, instead of racing
+    #: us for it (a lost race costs a channel, and lets a re-acquiring client starve waiters).
+    defer: float = 0.005
     #: Consecutive lost declare races before acquire gives up with ContentionError.
     max_collisions: int = 64
     #: Attempts at the admin mutex before AdminBusyError.
@@ -338,6 +342,7 @@ def acquire(
     timeout: float | None,
     hint: int = 0,
     speculate: int | None = None,
+    defer: float = 0.0,
 ) -> Flow[Acquired]:
     """Acquire one slot: the spec's probe-A, probe-B, declare-B loop, then wait and repeat.
 
@@ -350,6 +355,8 @@ def acquire(
     that costs a channel (RESOURCE_LOCKED); on an idle semaphore there is nobody to race, and
     skipping them saves a round trip. The declare is verified as usual; if the guess was wrong
     (held after all, or gone) the flow falls back to the spec's scan.
+
+    ``defer``: seconds to wait before the first attempt (see ``Policy.defer``).
     """
     deadline = None if timeout is None else clock() + timeout
     collisions = 0
@@ -357,6 +364,8 @@ def acquire(
     waits = 0
     woken = False
     guess = speculate
+    if defer > 0 and (timeout is None or timeout > defer):
+        yield Sleep(defer)
     while True:
         if guess is not None:
             claim = yield DeclareHolder(names.holder(guess), holder_id, verify=names.slot(guess))

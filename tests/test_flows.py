@@ -976,3 +976,30 @@ def test_a_waiter_woken_by_a_release_declares_the_freed_slot_without_probing(
         AwaitWake(names.wake, broker.ops(conn=CLIENT, since=mark)[0].seconds),
         DeclareHolder(names.holder(2), "client", verify=names.slot(2)),
     ]
+
+
+def test_an_immediate_reacquire_after_a_contended_release_defers_to_the_woken_waiter(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 1)
+    plan.acquired(Acquired(1, collisions=0, count=1, waits=2))  # our last acquire waited
+    plan.released()
+    flow = plan.acquire("client", blocking=True, timeout=30)
+    first = next(flow)
+    assert isinstance(first, Sleep)
+    assert 0 < first.seconds <= plan.policy.defer
+    flow.close()
+
+
+def test_no_deference_when_uncontended_or_not_blocking_or_long_after(
+    broker, plan, names
+) -> None:
+    create(broker, plan, 1)
+    plan.acquired(Acquired(1, collisions=0, count=1, waits=0))
+    plan.released()
+    assert not isinstance(next(plan.acquire("client", blocking=True, timeout=30)), Sleep)
+    plan.acquired(Acquired(1, collisions=1, count=1, waits=0))
+    plan.released()
+    assert not isinstance(next(plan.acquire("client", blocking=False, timeout=None)), Sleep)
+    plan.released_at -= 1.0  # released a second ago: nobody is racing us any more
+    assert not isinstance(next(plan.acquire("client", blocking=True, timeout=30)), Sleep)
