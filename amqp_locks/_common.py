@@ -283,5 +283,74 @@ class LeaseState(Generic[L]):
         return f"slot {self.slot} of {self.plan.name!r}, {self.status}{detail}"
 
 
+C = TypeVar("C")
+
+
+def adopt_connection(
+    connection: object, url: str | None, kind: type[C], make: Callable[[], C]
+) -> tuple[C, bool]:
+    """The connection a Semaphore/SemaphoreAdmin uses, and whether it owns (closes) it."""
+    if connection is None:
+        return make(), True
+    if not isinstance(connection, kind):
+        raise InvalidArgumentError(
+            f"connection must be an {kind.__module__}.{kind.__qualname__}, "
+            f"got {type(connection).__name__}"
+        )
+    if url is not None:
+        raise InvalidArgumentError("pass either url or connection, not both")
+    return connection, False
+
+
+class LeaseFacts:
+    """What a lease says about itself; shared by the sync and async ``Lease`` classes."""
+
+    _state: LeaseState[Any]
+
+    @property
+    def name(self) -> str:
+        """The semaphore's name (namespace included)."""
+        return self._state.plan.name
+
+    @property
+    def slot(self) -> int:
+        """The slot number held, from 1."""
+        return self._state.slot
+
+    @property
+    def held(self) -> bool:
+        """True until released or lost."""
+        return self._state.held
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease was lost (connection died, slot removed)."""
+        return self._state.status == LOST
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lease was lost, or None."""
+        return self._state.reason if self.lost else None
+
+    @property
+    def holder_id(self) -> str:
+        """Who holds it, as shown on the broker: ``host:pid:thread`` (or ``:task``)."""
+        return self._state.holder_id
+
+    @property
+    def collisions(self) -> int:
+        """Declares lost to other clients (RESOURCE_LOCKED) while acquiring this lease."""
+        return self._state.collisions
+
+    @property
+    def waits(self) -> int:
+        """Times the acquire blocked waiting for a release before it got this lease."""
+        return self._state.waits
+
+    def on_lost(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` when the lease is lost (at once if it already is)."""
+        self._state.add_callback(callback)
+
+
 def holder_thread_id(client_id: str) -> str:
     return f"{client_id}:{threading.current_thread().name}"

@@ -10,8 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from .. import _flows
-from .._common import LeaseState, SemaphorePlan, make_policy
-from ..errors import InvalidArgumentError
+from .._common import LeaseFacts, LeaseState, SemaphorePlan, adopt_connection, make_policy
 from ._driver import _AIO
 from .admin import SemaphoreAdmin
 from .connection import Connection
@@ -26,7 +25,7 @@ def holder_task_id(client_id: str) -> str:
     return f"{client_id}:{task.get_name() if task else 'loop'}"
 
 
-class Lease:
+class Lease(LeaseFacts):
     """One held slot; the asyncio twin of :class:`amqp_locks.Lease`, with the same guarantees.
 
     ::
@@ -43,43 +42,6 @@ class Lease:
         self._io = io
         self._connection = connection
         state.owner = self
-
-    @property
-    def name(self) -> str:
-        return self._state.plan.name
-
-    @property
-    def slot(self) -> int:
-        return self._state.slot
-
-    @property
-    def held(self) -> bool:
-        return self._state.held
-
-    @property
-    def lost(self) -> bool:
-        return self._state.status == "lost"
-
-    @property
-    def lost_reason(self) -> str | None:
-        return self._state.reason if self.lost else None
-
-    @property
-    def holder_id(self) -> str:
-        return self._state.holder_id
-
-    @property
-    def collisions(self) -> int:
-        return self._state.collisions
-
-    @property
-    def waits(self) -> int:
-        """Times the acquire blocked waiting for a release before it got this lease."""
-        return self._state.waits
-
-    def on_lost(self, callback: Callable[[Lease], Any]) -> None:
-        """Call ``callback(lease)`` when the lease is lost (at once if it already is)."""
-        self._state.add_callback(callback)
 
     async def verify(self) -> bool:
         """Ask the broker whether the slot is still ours; False marks the lease lost."""
@@ -193,18 +155,14 @@ class Semaphore:
             namespace,
             make_policy(poll_interval=poll_interval, max_collisions=max_collisions),
         )
-        self._owns_connection = connection is None
-        if connection is None:
-            connection = Connection(
+        self.connection, self._owns_connection = adopt_connection(
+            connection,
+            url,
+            Connection,
+            lambda: Connection(
                 url, heartbeat=heartbeat, connect_timeout=connect_timeout, client_id=client_id
-            )
-        elif not isinstance(connection, Connection):
-            raise InvalidArgumentError(
-                f"connection must be an amqp_locks.aio.Connection, got {type(connection).__name__}"
-            )
-        elif url is not None:
-            raise InvalidArgumentError("pass either url or connection, not both")
-        self.connection = connection
+            ),
+        )
         self._entered: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
             f"amqp_locks.aio.entered.{id(self)}", default=()
         )

@@ -6,9 +6,8 @@ from collections.abc import Iterable
 from types import TracebackType
 
 from .. import _flows
-from .._common import SemaphorePlan, holder_thread_id, make_policy
+from .._common import SemaphorePlan, adopt_connection, holder_thread_id, make_policy
 from .._config import check_timeout
-from ..errors import InvalidArgumentError
 from .connection import Connection
 
 __all__ = ["SemaphoreAdmin"]
@@ -56,18 +55,14 @@ class SemaphoreAdmin:
         self._plan = SemaphorePlan(
             name, namespace, make_policy(overshoot=overshoot, admin_attempts=admin_attempts)
         )
-        self._owns_connection = connection is None
-        if connection is None:
-            connection = Connection(
+        self.connection, self._owns_connection = adopt_connection(
+            connection,
+            url,
+            Connection,
+            lambda: Connection(
                 url, heartbeat=heartbeat, connect_timeout=connect_timeout, client_id=client_id
-            )
-        elif not isinstance(connection, Connection):
-            raise InvalidArgumentError(
-                f"connection must be an amqp_locks.Connection, got {type(connection).__name__}"
-            )
-        elif url is not None:
-            raise InvalidArgumentError("pass either url or connection, not both")
-        self.connection = connection
+            ),
+        )
 
     @property
     def name(self) -> str:
