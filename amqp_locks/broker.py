@@ -11,7 +11,7 @@ Typical use::
     from amqp_locks.broker import LocalBroker
 
     with LocalBroker() as broker:          # starts a node (a few seconds)
-        print(broker.url)                  # amqp://guest:guest@127.0.0.1:<port>/%2F
+        url = broker.url                   # amqp://guest:guest@127.0.0.1:<port>/%2F
         ...                                # connect with pika / aio-pika / amqp_locks
         broker.restart()                   # drop every client connection, keep durable data
     # the node is stopped and its temporary state directory removed
@@ -21,7 +21,7 @@ or, without a ``with`` block::
     broker = LocalBroker(management=True)
     broker.start()
     try:
-        print(broker.management_url)       # http://127.0.0.1:<port>/ (guest/guest)
+        api = broker.management_url        # http://127.0.0.1:<port>/ (guest/guest)
     finally:
         broker.stop()
 

@@ -21,7 +21,7 @@ class SemaphoreAdmin:
         with SemaphoreAdmin("reports", url=url) as admin:
             admin.ensure(3)                 # create, or resize to 3
             admin.remove(1, wait=True)      # returns when the holder of slot 3 let go
-            print(admin.slots(), admin.held())
+            count, held = admin.slots(), admin.held()
 
     Guarantees:
 

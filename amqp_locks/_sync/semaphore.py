@@ -33,7 +33,7 @@ class Lease(LeaseFacts):
     Use it as a context manager, or call :meth:`release`::
 
         with sem.acquire(timeout=5) as lease:
-            print(lease.slot)          # 1..N
+            use(lease.slot)            # 1..N
             do_work()
             if not lease.held: ...     # lost meanwhile (connection died, slot removed)
 
