@@ -141,7 +141,16 @@ def run_demo(url: str | None = None, *, workers: int = 8, phase_seconds: float =
         phase = "3 slots"
         tally.phases.append((0.0, phase))
 
+        def drain() -> None:
+            while True:
+                try:
+                    tally.apply(events.get_nowait())
+                except queue.Empty:
+                    return
+
         def pump(seconds: float) -> None:
+            # What happened while we were busy resizing is shown before anything new.
+            drain()
             end = time.monotonic() + seconds
             last = 0.0
             while time.monotonic() < end:
@@ -174,11 +183,7 @@ def run_demo(url: str | None = None, *, workers: int = 8, phase_seconds: float =
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
-            while True:
-                try:
-                    tally.apply(events.get_nowait())
-                except queue.Empty:
-                    break
+            drain()
             admin.destroy()
             admin.close()
         if live:
