@@ -13,6 +13,8 @@ The asyncio API has the same names in :mod:`amqp_locks.aio`.
 
 from __future__ import annotations
 
+import logging
+
 from . import errors
 from ._sync.admin import SemaphoreAdmin
 from ._sync.connection import Connection
@@ -21,6 +23,9 @@ from ._sync.semaphore import Lease, Mutex, Semaphore
 __all__ = ["Connection", "Lease", "Mutex", "Semaphore", "SemaphoreAdmin", "__version__", "errors"]
 
 __version__ = "0.1.0"
+
+# A library logs; the application decides where it goes (no "lastResort" output on stderr).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 for _obj in (Connection, Lease, Mutex, Semaphore, SemaphoreAdmin):
     _obj.__module__ = __name__
