@@ -230,3 +230,20 @@ def test_destroy_with_wait_waits_for_every_holder(
         assert not admin.exists()
     finally:
         sem.close()
+
+
+@pytest.mark.parametrize("slots", ["12", [0], [1, "2"], 3, [True]])
+def test_bad_slot_lists_for_wait_released_are_invalid_arguments(
+    admin: SemaphoreAdmin, slots: object
+) -> None:
+    with pytest.raises(errors.InvalidArgumentError):
+        admin.wait_released(slots=slots, timeout=0.1)  # type: ignore[arg-type]
+
+
+def test_a_connection_of_the_wrong_kind_is_refused(rabbitmq_url: str) -> None:
+    from amqp_locks.aio import Connection as AsyncConnection
+
+    with pytest.raises(errors.InvalidArgumentError, match=r"amqp_locks\.Connection"):
+        SemaphoreAdmin("x", connection=AsyncConnection(rabbitmq_url))  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError):
+        Semaphore("x", connection=object())  # type: ignore[arg-type]
