@@ -227,6 +227,7 @@ class LeaseState(Generic[L]):
         self.status = HELD
         self.reason = ""
         self.owner: L | None = None
+        self._cleanup = False
         self._callbacks: list[Callable[[L], Any]] = [on_lost] if on_lost else []
         self._lock = threading.Lock()
 
@@ -250,12 +251,15 @@ class LeaseState(Generic[L]):
         self.plan.released()
         return True
 
-    def mark_lost(self, reason: str) -> bool:
+    def mark_lost(self, reason: str, *, still_ours: bool = False) -> bool:
+        """Move held → lost. ``still_ours``: the connection lives, so our B queue may still
+        exist; the eventual ``release()`` must delete it (see ``take_cleanup``)."""
         with self._lock:
             if self.status != HELD:
                 return False
             self.status = LOST
             self.reason = reason
+            self._cleanup = still_ours
             callbacks = list(self._callbacks)
         log.warning(
             "lost slot %d of semaphore %r (holder %s): %s",
@@ -267,6 +271,14 @@ class LeaseState(Generic[L]):
         for callback in callbacks:
             self._fire(callback)
         return True
+
+    def take_cleanup(self) -> bool:
+        """True once for a lease lost while its connection lived: its holder queue may still
+        be ours, and is deleted when the holder lets go (so ``wait_released`` means what it
+        says: the holder stopped)."""
+        with self._lock:
+            cleanup, self._cleanup = self._cleanup, False
+            return cleanup
 
     def _fire(self, callback: Callable[[L], Any]) -> None:
         try:

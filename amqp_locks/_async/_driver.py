@@ -39,6 +39,9 @@ log = logging.getLogger("amqp_locks.aio")
 T = TypeVar("T")
 
 _WAKE_RETRY = 5.0
+# Channel numbers are handed out in rotation below this (RabbitMQ's default channel_max is
+# 2047; see _AIO._next_channel_number).
+_CHANNEL_SPAN = 1000
 
 
 def map_error(exc: BaseException, queue: str | None) -> BaseException:
@@ -79,6 +82,7 @@ class _AIO:
         self._wakes: dict[str, _Wake] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._verifier: asyncio.Task[None] | None = None
+        self._last_channel = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -165,12 +169,35 @@ class _AIO:
             raise self._unavailable()
         try:
             channel = await asyncio.wait_for(
-                self.conn.channel(publisher_confirms=confirms, on_return_raises=confirms),
+                self.conn.channel(
+                    channel_number=self._next_channel_number(),
+                    publisher_confirms=confirms,
+                    on_return_raises=confirms,
+                ),
                 self.settings.operation_timeout,
             )
             return cast(aiormq.Channel, await channel.get_underlay_channel())
         except Exception as exc:
             raise map_error(exc, None) from exc
+
+    def _next_channel_number(self) -> int | None:
+        """A channel number not used recently.
+
+        aiormq reuses the highest number as soon as a channel closes; after a broker-side
+        close (every RESOURCE_LOCKED) its Channel.Open for the same number can reach the
+        broker before the Close-Ok, and the broker then closes the whole connection (504
+        "second 'channel.open' seen"), losing every lease on it. Rotating through the numbers
+        leaves each one idle long after its close.
+        """
+        try:
+            in_use = self.conn.transport.connection.channels  # type: ignore[union-attr]
+        except AttributeError:
+            return None
+        for _ in range(_CHANNEL_SPAN):
+            self._last_channel = self._last_channel % _CHANNEL_SPAN + 1
+            if self._last_channel not in in_use:
+                return self._last_channel
+        return None
 
     async def _channel(self) -> aiormq.Channel:
         while self._pool:
@@ -206,19 +233,28 @@ class _AIO:
         except BaseException:
             flow.close()
             # An aborted or cancelled flow must not leave an exclusive queue held by this
-            # live connection: that would be a leaked slot until the connection closes.
+            # live connection: that would be a leaked slot until the connection closes. The
+            # names stay claimed until the delete is done, so no other task of this
+            # connection re-declares them meanwhile.
             for queue in claimed:
-                self.claims.discard(queue)
-                self.spawn(self._delete_quietly(queue))
+                self.spawn(self._delete_quietly(queue, channel[0]))
             raise
         finally:
             self._give_back(channel[0])
 
-    async def _delete_quietly(self, queue: str) -> None:
-        with contextlib.suppress(Exception):
-            channel = await self._open_channel(confirms=False)
-            await channel.queue_delete(queue)
-            await channel.close()
+    async def _delete_quietly(self, queue: str, used: aiormq.Channel | None) -> None:
+        try:
+            if used is not None and not used.is_closed:
+                # A declare cancelled mid-flight makes aiormq close its channel; let that
+                # finish, so the declare's outcome is settled before we delete.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(used.close(), self.settings.operation_timeout)
+            with contextlib.suppress(Exception):
+                fresh = await self._open_channel(confirms=False)
+                await fresh.queue_delete(queue, timeout=self.settings.operation_timeout)
+                await fresh.close()
+        finally:
+            self.claims.discard(queue)
 
     async def _execute(
         self,
@@ -234,10 +270,14 @@ class _AIO:
         if isinstance(op, _flows.Notify):
             await self._notify(op.queue, op.count, _flows.wake_token(op.slot))
             return None
-        if isinstance(op, _flows.DeclareHolder) and op.queue in self.claims:
-            # Held by this connection already (another task's lease): to the broker that
-            # would be a successful re-declare, so the exclusivity is ours to keep.
-            return _flows.Claim.LOST
+        if isinstance(op, _flows.DeclareHolder):
+            if op.queue in self.claims:
+                # Held by this connection already (another task's lease): to the broker that
+                # would be a successful re-declare, so the exclusivity is ours to keep.
+                return _flows.Claim.LOST
+            # Claimed before any await: another task must see it taken from here on.
+            self.claims.add(op.queue)
+            claimed.add(op.queue)
         channel = slot[0]
         if channel is None or channel.is_closed:
             channel = slot[0] = await self._channel()
@@ -248,8 +288,6 @@ class _AIO:
                 return await asyncio.wait_for(self._probe(channel, op.queues), timeout)
             if isinstance(op, _flows.DeclareHolder):
                 queue = op.queue
-                self.claims.add(queue)
-                claimed.add(queue)
                 try:
                     await channel.queue_declare(
                         queue,
@@ -409,4 +447,7 @@ class _AIO:
                 for lease, ok in zip(leases, result):
                     if not ok and lease in self.leases:
                         self.leases.discard(lease)
-                        lease.mark_lost("its slot queue was deleted (slot removed by an admin)")
+                        lease.mark_lost(
+                            "its slot queue was deleted (slot removed by an admin)",
+                            still_ours=True,
+                        )

@@ -44,28 +44,34 @@ class Lease(LeaseFacts):
         state.owner = self
 
     async def verify(self) -> bool:
-        """Ask the broker whether the slot is still ours; False marks the lease lost."""
+        """Ask the broker whether the slot is still ours; as the sync ``Lease.verify``."""
         if not self._state.held:
             return False
         try:
             (ok,), _ = await self._connection._run(
                 _flows.verify(self._state.plan.names, [self.slot]), io=self._io
             )
-        except Exception as exc:
-            self._state.mark_lost(f"verification failed: {exc}")
-            return False
+        except Exception:
+            if self._io.dead:
+                return False  # the connection loss marked the lease lost
+            raise
         if not ok:
-            self._state.mark_lost("its slot or holder queue is gone")
+            self._state.mark_lost("its slot or holder queue is gone", still_ours=True)
         return bool(ok) and self._state.held
 
     async def release(self) -> None:
-        """Free the slot and wake one waiter. Idempotent; safe under cancellation."""
-        if not self._state.mark_released():
+        """Free the slot and wake one waiter. Idempotent; safe under cancellation.
+
+        A lease lost while its connection lived (its slot was removed) still deletes its
+        holder queue here, as in the sync API.
+        """
+        state = self._state
+        if not state.mark_released() and not state.take_cleanup():
             return
-        self._io.untrack(self._state)
+        self._io.untrack(state)
         if self._io.dead:
             return
-        flow = _flows.release(self._state.plan.names, self.slot)
+        flow = _flows.release(state.plan.names, self.slot)
         # Shielded: a release interrupted by cancellation would leave the slot held by a live
         # connection until it closes.
         task = asyncio.ensure_future(self._connection._run(flow, io=self._io))
@@ -74,7 +80,7 @@ class Lease(LeaseFacts):
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.warning("could not release %s cleanly", self._state.describe(), exc_info=True)
+            log.warning("could not release %s cleanly", state.describe(), exc_info=True)
 
     async def __aenter__(self) -> Lease:
         return self

@@ -92,7 +92,7 @@ class _ProbeBatch:
 
 
 class _Channel:
-    """A confirm-mode channel: any number of probes in flight, one RPC at a time."""
+    """A confirm-mode channel: any number of probes in flight; RPCs answered in order."""
 
     def __init__(self, io: _IO, on_ready: Callable[[_Channel], None]) -> None:
         self.io = io
@@ -103,7 +103,10 @@ class _Channel:
         # Tags of probes in flight per queue name, oldest first: a basic.return names the
         # routing key, and the broker answers publishes in order.
         self._in_flight: dict[str, deque[int]] = {}
-        self._rpc_fail: Callable[[object], None] | None = None
+        # Failure handlers of RPCs sent and not yet answered, oldest first (pika sends a
+        # channel's RPCs one after another, and the broker answers them in order).
+        self._rpcs: deque[Callable[[object], None]] = deque()
+        self._after_close: list[Callable[[], None]] = []
         self._on_ready: Callable[[_Channel], None] | None = on_ready
         self.ch: Any = io.conn.channel(on_open_callback=self._opened)
 
@@ -122,8 +125,8 @@ class _Channel:
         self.usable = False
         self.closed = True
         self.io.channel_closed(self)
-        fail, self._rpc_fail = self._rpc_fail, None
-        if fail is not None:
+        rpcs, self._rpcs = self._rpcs, deque()
+        for fail in rpcs:
             fail(reason)
         probes, self._probes = self._probes, {}
         self._in_flight.clear()
@@ -131,6 +134,21 @@ class _Channel:
         for entry in probes.values():
             if entry is not None:
                 entry[0].settle(entry[1], error)
+        listeners, self._after_close = self._after_close, []
+        for listener in listeners:
+            listener()
+
+    def after_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the channel is closed (at once if it is)."""
+        if self.closed:
+            callback()
+        else:
+            self._after_close.append(callback)
+
+    @property
+    def busy(self) -> bool:
+        """An RPC is still unanswered: not fit for another run."""
+        return bool(self._rpcs)
 
     def close(self) -> None:
         self.usable = False
@@ -199,10 +217,10 @@ class _Channel:
         ok: Callable[[], None],
         fail: Callable[[object], None],
     ) -> None:
-        self._rpc_fail = fail
+        self._rpcs.append(fail)
 
         def declared(_frame: Any) -> None:
-            self._rpc_fail = None
+            self._rpcs.popleft()
             ok()
 
         self.ch.queue_declare(
@@ -214,10 +232,10 @@ class _Channel:
         )
 
     def delete(self, queue: str, *, ok: Callable[[], None], fail: Callable[[object], None]) -> None:
-        self._rpc_fail = fail
+        self._rpcs.append(fail)
 
         def deleted(_frame: Any) -> None:
-            self._rpc_fail = None
+            self._rpcs.popleft()
             ok()
 
         self.ch.queue_delete(queue=queue, callback=deleted)
@@ -268,9 +286,9 @@ class _Run:
         def expired() -> None:
             self.timer = None
             if self.channel is not None:
-                # The channel's state is unknown now; never reuse it.
+                # The channel's state is unknown now; never reuse it. (It stays the run's
+                # channel so that claim cleanup waits for it to close.)
                 self.channel.close()
-                self.channel = None
             self.abort(BrokerTimeoutError(f"the broker did not answer {what} in {seconds:g} s"))
 
         self.timer = self.io.call_later(seconds, expired)
@@ -286,11 +304,12 @@ class _Run:
         if self.waiting is not None:
             wake, waiter = self.waiting
             self.io.unwait(wake, waiter)
-        if error is not None:
-            # Whatever exclusive queue the aborted flow still holds would otherwise stay held
-            # by this live connection until it closes: a leaked slot.
-            for queue in self.claimed:
-                self.io.discard_claim(queue)
+        if error is not None and self.claimed:
+            # Whatever exclusive queue the aborted flow holds, or may still get from a declare
+            # in flight, would stay held by this live connection: a leaked slot.
+            self.io.release_claims(set(self.claimed), self.channel)
+            self.claimed.clear()
+            self.channel = None
         self.io.run_finished(self)
         try:
             self.done(result, error)
@@ -505,26 +524,54 @@ class _IO:
     def run_finished(self, run: _Run) -> None:
         self._runs.discard(run)
         channel, run.channel = run.channel, None
-        if channel is not None and channel.usable:
+        if channel is not None and channel.usable and not channel.busy:
             self._pool.append(channel)
 
     def channel_closed(self, channel: _Channel) -> None:
         if channel in self._pool:
             self._pool.remove(channel)
 
-    def discard_claim(self, queue: str) -> None:
-        """Forget an exclusive queue an aborted flow holds, deleting it on the broker."""
-        self.claims.discard(queue)
+    def release_claims(self, queues: set[str], channel: _Channel | None) -> None:
+        """Delete exclusive queues an aborted run claimed, then forget the claims.
+
+        The names stay claimed until the broker confirms the delete, so no other run of this
+        connection can re-declare them meanwhile. The delete goes on the run's own channel,
+        behind any declare still in flight there (the broker answers a channel's methods in
+        order); if that channel is closed or closing, on a fresh one once it has closed,
+        when whatever was in flight on it is settled.
+        """
         if self.dead:
+            self.claims.difference_update(queues)
             return
-        try:
-            self.conn.channel(
-                on_open_callback=lambda ch: ch.queue_delete(
-                    queue=queue, callback=lambda _f: ch.close()
-                )
-            )
-        except Exception:
-            log.warning("could not delete orphaned queue %r", queue, exc_info=True)
+
+        def delete_on(target: _Channel) -> None:
+            for queue in queues:
+
+                def forget(_reason: object = None, queue: str = queue) -> None:
+                    self.claims.discard(queue)
+
+                target.delete(queue, ok=forget, fail=forget)
+            target.after_close(lambda: self.claims.difference_update(queues))
+
+            def close_when_idle() -> None:
+                if not target.busy:
+                    target.close()
+                else:
+                    self.call_later(0.01, close_when_idle)
+
+            close_when_idle()
+
+        if channel is not None and channel.usable:
+            delete_on(channel)
+        else:
+
+            def on_fresh_channel() -> None:
+                _Channel(self, delete_on)
+
+            if channel is not None:
+                channel.after_close(on_fresh_channel)  # at once if already closed
+            else:
+                on_fresh_channel()
 
     def _with_channel(self, run: _Run, then: Callable[[_Channel], None]) -> None:
         if run.channel is not None and run.channel.usable:
@@ -540,7 +587,7 @@ class _IO:
 
         def ready(channel: _Channel) -> None:
             if run.finished:
-                self._pool.append(channel)
+                self._pool.append(channel)  # fresh: no RPC was sent on it
                 return
             run.disarm()
             run.channel = channel
@@ -560,6 +607,11 @@ class _IO:
             # would be a successful re-declare, so the exclusivity is ours to keep.
             run.later(_flows.Claim.LOST)
         else:
+            if isinstance(op, _flows.DeclareHolder):
+                # Claimed now, not once a channel is ready: between the check above and the
+                # declare, another run of this connection must already see it taken.
+                self.claims.add(op.queue)
+                run.claimed.add(op.queue)
             self._with_channel(run, lambda channel: self._send(run, channel, op))
 
     def _send(self, run: _Run, channel: _Channel, op: _flows.Op) -> None:
@@ -606,8 +658,6 @@ class _IO:
 
     def _declare_holder(self, run: _Run, channel: _Channel, op: _flows.DeclareHolder) -> None:
         queue, verify = op.queue, op.verify
-        self.claims.add(queue)
-        run.claimed.add(queue)
         declared = False
 
         def lost_race(reason: object) -> None:
@@ -765,7 +815,10 @@ class _IO:
                 for lease, ok in zip(leases, result):
                     if not ok and lease in self.leases:
                         self.leases.discard(lease)
-                        lease.mark_lost("its slot queue was deleted (slot removed by an admin)")
+                        lease.mark_lost(
+                            "its slot queue was deleted (slot removed by an admin)",
+                            still_ours=True,
+                        )
 
             run = _Run(self, _flows.verify(plan.names, slots), checked)
             self._runs.add(run)

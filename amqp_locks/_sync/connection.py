@@ -97,9 +97,10 @@ class Connection:
         *,
         io: _IO | None = None,
         before: Callable[[], None] | None = None,
+        cancellable: bool = True,
     ) -> tuple[T, _IO]:
         """Run a flow to completion in the I/O thread; return its result and the I/O used."""
-        result, io = self._call(flow, io=io, before=before)
+        result, io = self._call(flow, io=io, before=before, cancellable=cancellable)
         return result, io
 
     def _call(
@@ -110,6 +111,7 @@ class Connection:
         on_orphan: Callable[[Any], Any] | None = None,
         before: Callable[[], None] | None = None,
         after: Callable[[Any], Any] | None = None,
+        cancellable: bool = True,
     ) -> tuple[Any, _IO]:
         """As ``_run``, with ``before``/``after`` work in the I/O thread (``_IO.submit``)
         and ``on_orphan(result)`` for a result that arrives after the caller gave up."""
@@ -129,7 +131,12 @@ class Connection:
         try:
             return future.result(), io
         except BaseException:
-            if not future.done():
+            if not cancellable:
+                raise  # e.g. a release: it finishes in the I/O thread all the same
+            if future.done():
+                if on_orphan is not None and not future.cancelled() and not future.exception():
+                    on_orphan(future.result())  # done just as we were interrupted
+            else:
                 # Interrupted (KeyboardInterrupt, …): stop the flow, and give back whatever it
                 # obtains if it finishes first.
                 cancel()

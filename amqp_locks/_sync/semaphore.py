@@ -61,7 +61,9 @@ class Lease(LeaseFacts):
         """Ask the broker whether the slot is still ours (one round trip).
 
         Returns False (and marks the lease lost) when the slot queue or our holder queue is
-        gone or the connection died; False at once for a released lease.
+        gone or the connection died; False at once for a lease already released or lost.
+        Raises :class:`~amqp_locks.errors.BrokerError` when the broker cannot answer while
+        the connection lives (the lease is then neither confirmed nor given up).
         """
         if not self._state.held:
             return False
@@ -69,30 +71,36 @@ class Lease(LeaseFacts):
             (ok,), _ = self._connection._run(
                 _flows.verify(self._state.plan.names, [self.slot]), io=self._io
             )
-        except Exception as exc:
-            self._state.mark_lost(f"verification failed: {exc}")
-            return False
+        except Exception:
+            if self._io.dead:
+                return False  # the connection loss marked the lease lost
+            raise
         if not ok:
-            self._state.mark_lost("its slot or holder queue is gone")
+            self._state.mark_lost("its slot or holder queue is gone", still_ours=True)
         return bool(ok) and self._state.held
 
     def release(self) -> None:
-        """Free the slot and wake one waiter. Idempotent; a lost lease has nothing to free."""
-        if not self._state.mark_released():
+        """Free the slot and wake one waiter. Idempotent; never raises for a lost lease.
+
+        A lease lost while its connection lived (its slot was removed) still deletes its
+        holder queue here: to the broker, and to ``wait_released``, the holder lets go now.
+        """
+        state = self._state
+        if not state.mark_released() and not state.take_cleanup():
             return
         io = self._io
         if io.dead or io.pid != os.getpid():
             return  # freed with the connection; or the parent's, after a fork: not ours
-        state = self._state
         try:
             self._connection._run(
                 _flows.release(state.plan.names, self.slot),
                 io=io,
                 before=lambda: io.leases.discard(state),
+                cancellable=False,  # an interrupted release must still free the slot
             )
         except Exception:
             # The slot is freed with the connection anyway; nothing the caller can do.
-            log.warning("could not release %s cleanly", self._state.describe(), exc_info=True)
+            log.warning("could not release %s cleanly", state.describe(), exc_info=True)
 
     def __enter__(self) -> Lease:
         return self
@@ -197,32 +205,31 @@ class Semaphore:
         flow = self._plan.acquire(holder_id, blocking=blocking, timeout=timeout)
         io = self.connection._live()
 
-        def adopt(outcome: _flows.Acquired) -> LeaseState[Lease] | None:
+        def adopt(outcome: _flows.Acquired) -> Lease | None:
             # In the I/O thread, as the flow ends: from here on a connection loss marks the
-            # new lease lost; there is no gap in which it could be missed.
+            # new lease lost (and finds its owner, for on_lost): no gap to miss it in.
             self._plan.acquired(outcome)
             if outcome.slot is None:
                 return None
             state: LeaseState[Lease] = LeaseState(
                 self._plan, outcome.slot, holder_id, outcome, on_lost
             )
+            lease = Lease(state, io, self.connection)
             io.track(state)
-            return state
+            return lease
 
-        def give_back(state: LeaseState[Lease] | None) -> None:
+        def give_back(lease: Lease | None) -> None:
+            state = lease._state if lease is not None else None
             if state is not None and state.mark_released():
                 io.submit(
                     _flows.release(self._plan.names, state.slot),
                     before=lambda: io.leases.discard(state),
                 )
 
-        state, _ = self.connection._call(flow, io=io, on_orphan=give_back, after=adopt)
-        if state is None:
-            return None
-        lease = Lease(state, io, self.connection)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("acquired %s as %s", state.describe(), holder_id)
-        return lease
+        lease, _ = self.connection._call(flow, io=io, on_orphan=give_back, after=adopt)
+        if lease is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("acquired %s as %s", lease._state.describe(), holder_id)
+        return lease  # type: ignore[no-any-return]
 
     def __enter__(self) -> Lease:
         lease = self.acquire()
