@@ -350,6 +350,10 @@ class _IO:
         self._wakes: dict[str, _Wake] = {}
         self._verify_timer: Any = None
         self.pid = os.getpid()
+        # Runs submitted but not yet started by the I/O thread; guarded by _submit_lock, so a
+        # run can never slip between "the loop is alive" and "the loop has stopped".
+        self._submit_lock = threading.Lock()
+        self._pending: set[_Run] = set()
         self._opened = threading.Event()
         self._open_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -395,6 +399,14 @@ class _IO:
             )
             self._opened.set()
             self._connection_lost(f"I/O thread crashed: {exc!r}")
+        finally:
+            # However the loop ended, nobody may be left waiting on a run it will never step.
+            with self._submit_lock:
+                self.dead = True
+                pending, self._pending = self._pending, set()
+            self._connection_lost(self.dead_reason or "the I/O loop stopped")
+            for run in pending:
+                run.abort(self._unavailable())
 
     def _on_open(self, _conn: Any) -> None:
         log.debug(
@@ -486,10 +498,14 @@ class _IO:
         run = _Run(self, flow, done)
 
         def start() -> None:
+            with self._submit_lock:
+                if run not in self._pending:
+                    return  # already aborted by the loop's shutdown
+                self._pending.discard(run)
             if before is not None:
                 before()
             if self.dead:
-                run.abort(BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
+                run.abort(self._unavailable())
                 return
             self._runs.add(run)
             run.step(None)
@@ -498,13 +514,20 @@ class _IO:
             run.cancelled = True
             self._threadsafe(lambda: run.abort(OperationCancelled("the caller stopped waiting")))
 
-        if self.dead:
+        with self._submit_lock:
+            accepted = not self.dead
+            if accepted:
+                self._pending.add(run)
+        if accepted:
+            self._threadsafe(start)
+        else:
             if before is not None:
                 before()
-            done(None, BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}"))
-        else:
-            self._threadsafe(start)
+            done(None, self._unavailable())
         return future, cancel
+
+    def _unavailable(self) -> BrokerUnavailableError:
+        return BrokerUnavailableError(f"lost the broker connection: {self.dead_reason}")
 
     def track(self, lease: LeaseState[Any]) -> None:
         """Watch a new lease for loss. I/O thread only (pass it as ``after`` work)."""
