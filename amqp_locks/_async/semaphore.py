@@ -141,6 +141,10 @@ class Semaphore:
 
     Same guarantees and errors as the sync class. Cancelling an acquire leaves nothing held on
     the broker. Tasks may share one ``Semaphore``.
+
+    Prefer ``acquire(timeout=…)`` to ``asyncio.wait_for(sem.acquire(), …)``: before Python
+    3.12, ``wait_for`` can drop a result that arrives as its timeout fires, and a lease
+    nobody holds a reference to stays held until its connection closes.
     """
 
     def __init__(
