@@ -16,11 +16,25 @@ from __future__ import annotations
 import logging
 
 from . import errors
+from ._config import DEFAULT_URL
+from ._config import redact as redact_url
+from ._flows import HOLDER_ID_ARGUMENT
 from ._sync.admin import SemaphoreAdmin
 from ._sync.connection import Connection
 from ._sync.semaphore import Lease, Mutex, Semaphore
 
-__all__ = ["Connection", "Lease", "Mutex", "Semaphore", "SemaphoreAdmin", "__version__", "errors"]
+__all__ = [
+    "DEFAULT_URL",
+    "HOLDER_ID_ARGUMENT",
+    "Connection",
+    "Lease",
+    "Mutex",
+    "Semaphore",
+    "SemaphoreAdmin",
+    "__version__",
+    "errors",
+    "redact_url",
+]
 
 __version__ = "0.1.0"
 

@@ -27,11 +27,12 @@ def resolve_url(url: str | None) -> str:
 
 
 def redact(url: str) -> str:
+    """``url`` with its password masked, for messages and logs."""
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def default_client_id() -> str:

@@ -42,9 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
-from . import Connection, Lease, Semaphore, SemaphoreAdmin, __version__, errors
+from . import (
+    DEFAULT_URL,
+    HOLDER_ID_ARGUMENT,
+    Connection,
+    Lease,
+    Semaphore,
+    SemaphoreAdmin,
+    __version__,
+    errors,
+    redact_url,
+)
 from .broker import LocalBroker, LocalBrokerError
 
 __all__ = ["Exit", "main"]
@@ -53,14 +63,12 @@ PROG = "amqp-locks"
 log = logging.getLogger("amqp_locks.cli")
 
 #: Broker used when neither --url, $AMQP_URL nor a running local broker says otherwise.
-DEFAULT_URL = "amqp://guest:guest@localhost:5672/%2F"
 #: Image of the Docker fallback of ``broker start`` (the one the pytest plugin uses).
 DOCKER_IMAGE = "rabbitmq:3.13-management"
 _DOCKER_RECORD = "docker-broker.json"
 _NODE_SUBDIR = "node"
 _MANAGEMENT_TIMEOUT = 3.0
 #: Holder queue argument set by amqp_locks on every B queue (see docs/semaphore.md).
-_HOLDER_ARGUMENT = "x-amqp-locks-holder"
 
 
 class Exit(enum.IntEnum):
@@ -126,14 +134,6 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
         _out(json.dumps(data, indent=2))
     else:
         _out(text)
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
 
 
 def _plural(n: int, word: str = "slot") -> str:
@@ -287,7 +287,7 @@ def _resolve_url(args: argparse.Namespace, *, fallback: bool = True) -> tuple[st
 def _url(args: argparse.Namespace) -> str:
     url, source = _resolve_url(args)
     assert url is not None
-    log.info("broker %s (from %s)", _redact(url), source)
+    log.info("broker %s (from %s)", redact_url(url), source)
     return url
 
 
@@ -471,7 +471,7 @@ def _holders(
                 continue  # released since the probe
             arguments = queue.get("arguments") or {}
             owner = queue.get("owner_pid_details") or {}
-            info: dict[str, Any] = {"holder": arguments.get(_HOLDER_ARGUMENT)}
+            info: dict[str, Any] = {"holder": arguments.get(HOLDER_ID_ARGUMENT)}
             peer = owner.get("name")
             if peer:
                 info["peer"] = f"{owner.get('peer_host')}:{owner.get('peer_port')}"
@@ -919,7 +919,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     url, source = _resolve_url(args, fallback=False)
     if url is not None:
-        log.info("demo on broker %s (from %s)", _redact(url), source)
+        log.info("demo on broker %s (from %s)", redact_url(url), source)
     return run_demo(url, workers=args.workers, phase_seconds=args.phase_seconds)
 
 

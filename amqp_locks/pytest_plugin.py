@@ -44,10 +44,10 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from amqp_locks import redact_url
 from amqp_locks.broker import LocalBroker, find_rabbitmq_server
 
 __all__ = ["RABBITMQ_IMAGE", "amqp_namespace", "local_broker", "rabbitmq_url"]
@@ -67,19 +67,6 @@ class _BrokerChoice:
 
 
 _choice_key = pytest.StashKey[_BrokerChoice]()
-
-
-def _redact(url: str) -> str:
-    """The URL with its password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def _docker_reachable(timeout: float = _DOCKER_PING_TIMEOUT) -> bool:
@@ -124,7 +111,7 @@ def _choose_broker(config: pytest.Config) -> _BrokerChoice:
     server = find_rabbitmq_server()
     choice: _BrokerChoice
     if url:
-        choice = _BrokerChoice("env", f"$AMQP_URL = {_redact(url)}", url)
+        choice = _BrokerChoice("env", f"$AMQP_URL = {redact_url(url)}", url)
     elif forced not in ("", "auto", "docker", "local"):
         choice = _BrokerChoice("none", f"unknown ${_BACKEND_ENV}={forced!r} (docker|local)")
     elif forced != "local" and _docker_reachable():

@@ -10,6 +10,9 @@ from amqp_locks import aio, errors
 
 def test_sync_exports() -> None:
     assert set(amqp_locks.__all__) == {
+        "DEFAULT_URL",
+        "HOLDER_ID_ARGUMENT",
+        "redact_url",
         "Connection",
         "Lease",
         "Mutex",
@@ -22,7 +25,8 @@ def test_sync_exports() -> None:
 
 
 def test_async_face_has_the_same_classes_with_awaitable_methods() -> None:
-    assert set(aio.__all__) == set(amqp_locks.__all__) - {"__version__"}
+    shared = {"__version__", "DEFAULT_URL", "HOLDER_ID_ARGUMENT", "redact_url"}
+    assert set(aio.__all__) == set(amqp_locks.__all__) - shared
     for name in ("SemaphoreAdmin",):
         sync_cls, async_cls = getattr(amqp_locks, name), getattr(aio, name)
         public = {m for m in vars(sync_cls) if not m.startswith("_")}
@@ -55,3 +59,8 @@ def test_error_kinds_are_also_the_builtin_kinds_users_catch() -> None:
     assert issubclass(errors.ReleaseTimeoutError, TimeoutError)
     assert issubclass(errors.BrokerTimeoutError, TimeoutError)
     assert issubclass(errors.BrokerUnavailableError, errors.BrokerError)
+
+
+def test_redact_url_masks_only_the_password() -> None:
+    assert amqp_locks.redact_url("amqp://u:s%40cret@h:5672/%2F") == "amqp://u:***@h:5672/%2F"
+    assert amqp_locks.redact_url("amqp://h/%2F") == "amqp://h/%2F"
