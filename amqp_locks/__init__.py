@@ -21,14 +21,18 @@ from ._config import redact as redact_url
 from ._flows import HOLDER_ID_ARGUMENT
 from ._sync.admin import SemaphoreAdmin
 from ._sync.connection import Connection
+from ._sync.pressure import Consuming, PressureQueue, Producing
 from ._sync.semaphore import Lease, Mutex, Semaphore
 
 __all__ = [
     "DEFAULT_URL",
     "HOLDER_ID_ARGUMENT",
     "Connection",
+    "Consuming",
     "Lease",
     "Mutex",
+    "PressureQueue",
+    "Producing",
     "Semaphore",
     "SemaphoreAdmin",
     "__version__",
@@ -41,6 +45,6 @@ __version__ = "0.1.0"
 # A library logs; the application decides where it goes (no "lastResort" output on stderr).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-for _obj in (Connection, Lease, Mutex, Semaphore, SemaphoreAdmin):
+for _obj in (Connection, Consuming, Lease, Mutex, PressureQueue, Producing, Semaphore, SemaphoreAdmin):
     _obj.__module__ = __name__
 del _obj

@@ -14,6 +14,13 @@ contention that a correct program must expect, and faults of the broker or the n
     ├── ContentionError                          acquire lost too many declare races in a row
     ├── AdminBusyError                           another administrator kept the admin mutex
     ├── LockLostError                            a held lease stopped being held
+    ├── PressureError                            pressure queues (amqp_locks.PressureQueue)
+    │   ├── QueueDoesNotExistError               no such queue (never created, or deleted)
+    │   ├── QueueAlreadyExistsError              create() on a queue that exists
+    │   ├── QueueInUseError                      another client holds the producer/consumer role
+    │   ├── QueueFullError                       put_nowait() on a full queue
+    │   ├── QueueClosedError                     put after close; get once closed and drained
+    │   └── OperationTimeoutError (also TimeoutError) a blocking queue operation timed out
     └── BrokerError                              the broker or the network failed us
         ├── BrokerUnavailableError               cannot connect, or the connection died
         ├── BrokerTimeoutError (also TimeoutError) the broker did not answer in time
@@ -39,7 +46,14 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidNameError",
     "LockLostError",
+    "OperationTimeoutError",
+    "PressureError",
     "ProbeNackedError",
+    "QueueAlreadyExistsError",
+    "QueueClosedError",
+    "QueueDoesNotExistError",
+    "QueueFullError",
+    "QueueInUseError",
     "QueueMismatchError",
     "ReleaseTimeoutError",
     "SemaphoreExistsError",
@@ -162,6 +176,84 @@ class LockLostError(AmqpLocksError):
         super().__init__(
             f"lost slot {slot} of semaphore {name!r}: {reason}; the protected work may have "
             "overlapped with another holder — make it idempotent or check lease.held"
+        )
+
+
+class PressureError(AmqpLocksError):
+    """Base class of the errors of pressure queues; ``queue`` is the queue's name."""
+
+    def __init__(self, queue: str, message: str) -> None:
+        self.queue = queue
+        super().__init__(message)
+
+
+class QueueDoesNotExistError(PressureError):
+    """The pressure queue does not exist: it was never created, or it was deleted."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            queue,
+            f"pressure queue {queue!r} does not exist (never created, or deleted); create it "
+            f"with PressureQueue({queue!r}).create(bound)",
+        )
+
+
+class QueueAlreadyExistsError(PressureError):
+    """``create()`` was called for a pressure queue that exists."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            queue,
+            f"pressure queue {queue!r} already exists; use it as it is, or delete() it first",
+        )
+
+
+class QueueInUseError(PressureError):
+    """Another client holds the role (producer or consumer) that a non-blocking call needs."""
+
+    def __init__(self, queue: str, role: str, holder: str | None = None) -> None:
+        self.role = role
+        self.holder = holder
+        who = f" ({holder})" if holder else ""
+        super().__init__(
+            queue,
+            f"another client{who} is the {role} of pressure queue {queue!r}; queues have one "
+            f"{role} at a time — use the blocking call, or retry later",
+        )
+
+
+class QueueFullError(PressureError):
+    """``put_nowait()`` found the queue at its bound."""
+
+    def __init__(self, queue: str, bound: int | None = None) -> None:
+        self.bound = bound
+        at = f" (bound {bound})" if bound else ""
+        super().__init__(
+            queue,
+            f"pressure queue {queue!r} is full{at}; put() waits for room, or retry once a "
+            "consumer has taken items",
+        )
+
+
+class QueueClosedError(PressureError):
+    """The queue is closed: no more puts; gets fail once what was put before is drained."""
+
+    def __init__(self, queue: str, detail: str) -> None:
+        super().__init__(queue, f"pressure queue {queue!r} is closed: {detail}")
+
+
+class OperationTimeoutError(PressureError, TimeoutError):
+    """A blocking pressure-queue operation did not complete within its timeout.
+
+    Nothing was put or taken: the operation can be retried as it is.
+    """
+
+    def __init__(self, queue: str, what: str, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(
+            queue,
+            f"{what} on pressure queue {queue!r} did not complete within {timeout:g} s; "
+            "nothing was put or taken — retry, or raise the timeout",
         )
 
 

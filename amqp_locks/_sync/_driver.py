@@ -37,6 +37,7 @@ from ..errors import (
     BrokerUnavailableError,
     QueueMismatchError,
 )
+from . import _session
 
 log = logging.getLogger("amqp_locks.sync")
 T = TypeVar("T")
@@ -108,11 +109,13 @@ class _Channel:
         self._rpcs: deque[Callable[[object], None]] = deque()
         self._after_close: list[Callable[[], None]] = []
         self._on_ready: Callable[[_Channel], None] | None = on_ready
+        self._get: Callable[[None], None] | None = None
         self.ch: Any = io.conn.channel(on_open_callback=self._opened)
 
     def _opened(self, ch: Any) -> None:
         ch.add_on_close_callback(self._closed)
         ch.add_on_return_callback(self._returned)
+        ch.add_callback(self._get_empty, [pika.spec.Basic.GetEmpty], one_shot=False)
         ch.confirm_delivery(ack_nack_callback=self._confirmed, callback=self._confirm_ok)
 
     def _confirm_ok(self, _frame: Any) -> None:
@@ -175,6 +178,66 @@ class _Channel:
         for _ in range(count):
             self._probes[next(self._tags)] = None
             self.ch.basic_publish(exchange="", routing_key=queue, body=body)
+
+    def publish_persistent(self, queue: str, bodies: tuple[bytes, ...], done: ProbeDone) -> None:
+        """Persistent mandatory publishes, reported like a probe batch once all confirm."""
+        batch = _ProbeBatch(len(bodies), done)
+        properties = pika.BasicProperties(delivery_mode=2)
+        for index, body in enumerate(bodies):
+            tag = next(self._tags)
+            self._probes[tag] = (batch, index, queue)
+            self._in_flight.setdefault(queue, deque()).append(tag)
+            self.ch.basic_publish(
+                exchange="", routing_key=queue, body=body, properties=properties, mandatory=True
+            )
+        if not bodies:
+            done((), None)
+
+    def _get_empty(self, _frame: Any) -> None:
+        done, self._get = self._get, None
+        if done is not None:
+            done(None)
+
+    def read_all(
+        self,
+        queue: str,
+        *,
+        ok: Callable[[tuple[bytes, ...]], None],
+        fail: Callable[[object], None],
+    ) -> None:
+        """basic.get until empty, then give every message back (nack, requeue)."""
+        bodies: list[bytes] = []
+        last_tag = [0]
+        self._rpcs.append(fail)
+
+        def next_get() -> None:
+            self._get = finished
+            self.ch.basic_get(queue, got, auto_ack=False)
+
+        def got(_ch: Any, method: Any, _properties: Any, body: bytes) -> None:
+            self._get = None
+            bodies.append(body)
+            last_tag[0] = method.delivery_tag
+            next_get()
+
+        def finished(_none: None) -> None:
+            self._rpcs.popleft()
+            if last_tag[0]:
+                self.ch.basic_nack(delivery_tag=last_tag[0], multiple=True, requeue=True)
+            ok(tuple(bodies))
+
+        next_get()
+
+    def passive_declare(
+        self, queue: str, *, ok: Callable[[Any], None], fail: Callable[[object], None]
+    ) -> None:
+        self._rpcs.append(fail)
+
+        def declared(frame: Any) -> None:
+            self._rpcs.popleft()
+            ok(frame)
+
+        self.ch.queue_declare(queue=queue, passive=True, callback=declared)
 
     def _returned(self, _ch: Any, method: Any, _properties: Any, _body: bytes) -> None:
         # A mandatory publish nobody could route comes back before its ack (AMQP 0-9-1).
@@ -254,6 +317,10 @@ class _Run:
         self.waiting: tuple[_Wake, _Waiter] | None = None
         self.finished = False
         self.cancelled = False
+        # Pressure sessions opened by this run and not yet handed over (closed on failure),
+        # and cleanups of waits it may leave behind.
+        self.sessions: list[_session._Session] = []
+        self.on_finish: list[Callable[[], None]] = []
 
     def step(self, value: Any) -> None:
         if self.finished:
@@ -304,6 +371,13 @@ class _Run:
         if self.waiting is not None:
             wake, waiter = self.waiting
             self.io.unwait(wake, waiter)
+        cleanups, self.on_finish = self.on_finish, []
+        for cleanup in cleanups:
+            cleanup()
+        if error is not None:
+            for session in self.sessions:
+                session.close()
+        self.sessions = []
         if error is not None and self.claimed:
             # Whatever exclusive queue the aborted flow holds, or may still get from a declare
             # in flight, would stay held by this live connection: a leaked slot.
@@ -596,6 +670,10 @@ class _IO:
             else:
                 on_fresh_channel()
 
+    def with_channel(self, run: _Run, then: Callable[[_Channel], None]) -> None:
+        """Call ``then`` with the run's pooled channel, opening one if needed."""
+        self._with_channel(run, then)
+
     def _with_channel(self, run: _Run, then: Callable[[_Channel], None]) -> None:
         if run.channel is not None and run.channel.usable:
             then(run.channel)
@@ -620,7 +698,9 @@ class _IO:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def execute(self, run: _Run, op: _flows.Op) -> None:
+    def execute(self, run: _Run, op: Any) -> None:
+        if _session.execute(self, run, op):
+            return
         if isinstance(op, _flows.Sleep):
             run.timer = self.call_later(op.seconds, lambda: run.step(None))
         elif isinstance(op, _flows.AwaitWake):
