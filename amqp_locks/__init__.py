@@ -45,6 +45,7 @@ __version__ = "0.1.0"
 # A library logs; the application decides where it goes (no "lastResort" output on stderr).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-for _obj in (Connection, Consuming, Lease, Mutex, PressureQueue, Producing, Semaphore, SemaphoreAdmin):
+_PUBLIC = (Connection, Consuming, Lease, Mutex, PressureQueue, Producing, Semaphore, SemaphoreAdmin)
+for _obj in _PUBLIC:
     _obj.__module__ = __name__
-del _obj
+del _obj, _PUBLIC
