@@ -13,8 +13,9 @@ Redis key              RabbitMQ                             why
 =====================  ===================================  ======================================
 ``B`` (list)           durable queue ``B``, persistent      FIFO; a consumer's unacknowledged item
                        items; quorum when replicated        comes back to the head if it dies
-``:bound``             ``bound`` in the producer record;    existence is the data queue's
-                       ``B`` exists = the queue exists      (declared last, deleted first)
+``:bound``             ``B:bound`` (``x-max-length`` 0)     declared last, deleted first: the
+                       exists; the value is in the          queue exists while it does (probed
+                       producer record                      by a mandatory publish, no 404)
 ``:not_full``          ``B:space``: one *credit* per free   ``bound`` credits at create; a put
                        place; ``x-max-length`` = bound      spends one, a get returns one, both in
                                                             one AMQP transaction with the item
@@ -76,7 +77,7 @@ KICKS_HEADER = "x-pressure-kicks"
 DELIVERIES_HEADER = "x-pressure-deliveries"
 
 _RESERVED_ENDINGS = re.compile(
-    r"(:space|:dead|:lock|:attempts|:producer|:consumer|:stats:produced|:stats:consumed"
+    r"(:bound|:space|:dead|:lock|:attempts|:producer|:consumer|:stats:produced|:stats:consumed"
     r"|-[0-9]+-[A-Z])\Z"
 )
 _LONGEST_SUFFIX = ":consumer-100000-B"
@@ -125,6 +126,10 @@ class PressureNames:
     @property
     def data(self) -> str:
         return self.base
+
+    @property
+    def bound(self) -> str:
+        return f"{self.base}:bound"
 
     @property
     def space(self) -> str:
@@ -220,6 +225,8 @@ def space_arguments(bound: int, replicated: bool) -> dict[str, Any]:
 # ones. Drop-head at length 1 then discards the older records at the next write, and readers
 # take the highest version among what they see.
 RECORD_ARGUMENTS: dict[str, Any] = {"x-max-length": 1}
+# The existence marker keeps nothing, so probing it (a mandatory publish) is harmless.
+BOUND_ARGUMENTS: dict[str, Any] = {"x-max-length": 0}
 
 
 @dataclass(frozen=True)
@@ -461,20 +468,22 @@ def read_record(names: PressureNames, queue: str, kind: type[R], policy: Policy)
     raise QueueDoesNotExistError(names.name)
 
 
-def require(names: PressureNames) -> Flow[QueueInfo]:
+def exists(names: PressureNames) -> Flow[bool]:
+    (found,) = yield from _flows.probe((names.bound,))
+    return found
+
+
+def require(names: PressureNames) -> Flow[None]:
+    if not (yield from exists(names)):
+        raise QueueDoesNotExistError(names.name)
+
+
+def length(names: PressureNames, policy: Policy) -> Flow[int]:
+    yield from require(names)
     info = yield Inspect(names.data)
     if info is None:
         raise QueueDoesNotExistError(names.name)
     assert isinstance(info, QueueInfo)
-    return info
-
-
-def exists(names: PressureNames) -> Flow[bool]:
-    return (yield Inspect(names.data)) is not None
-
-
-def length(names: PressureNames, policy: Policy) -> Flow[int]:
-    info = yield from require(names)
     if info.messages == 0:
         return 0
     record = yield from read_record(names, names.produced, ProducerRecord, policy)
@@ -534,13 +543,20 @@ def create(
     holder_id: str,
     policy: Policy,
 ) -> Flow[None]:
-    """Under the lock: fail if the data queue exists; else build every part, data queue last."""
+    """Under the lock: fail if the queue exists; else build every part, ``B:bound`` last."""
     yield from lock(names, holder_id, policy)
     try:
-        if (yield Inspect(names.data)) is not None:
+        if (yield from exists(names)):
             raise QueueAlreadyExistsError(names.name)
         # Whatever a delete that stopped midway left behind must not leak into the new queue.
-        for queue in (names.space, names.produced, names.consumed, names.attempts, names.dead):
+        for queue in (
+            names.data,
+            names.space,
+            names.produced,
+            names.consumed,
+            names.attempts,
+            names.dead,
+        ):
             yield Delete(queue)
         yield from _ensure_role(names.producer, holder_id, policy)
         yield from _ensure_role(names.consumer, holder_id, policy)
@@ -560,6 +576,7 @@ def create(
                 yield PublishConfirmed(names.space, (b"",) * min(chunk, bound - start))
         yield DeclareDurable(names.dead, item_arguments(replicated))
         yield DeclareDurable(names.data, item_arguments(replicated))
+        yield DeclareDurable(names.bound, BOUND_ARGUMENTS)
     except AmqpLocksError:
         # (A driver that aborts the flow deletes the lock it claimed by itself.)
         yield from unlock(names)
@@ -568,19 +585,20 @@ def create(
 
 
 def delete_begin(names: PressureNames, holder_id: str, policy: Policy) -> Flow[None]:
-    """Take the lock, then delete the data and credit queues.
+    """Take the lock, then delete the existence marker, the data and the credit queues.
 
     Deleting them wakes every blocked client: the broker cancels consumers of a deleted queue,
     and a ``basic.get`` on it fails; they raise QueueDoesNotExistError and give up their
     roles, which the caller then waits for before :func:`delete_end`. A queue whose data
-    queue is gone but whose roles remain (a delete that stopped midway) is deleted again.
+    marker is gone but whose roles remain (a delete that stopped midway) is deleted again.
     """
     yield from lock(names, holder_id, policy)
     try:
-        if (yield Inspect(names.data)) is None:
+        if not (yield from exists(names)):
             found = yield from _flows.probe((names.producer.slot(1), names.consumer.slot(1)))
             if not any(found):
                 raise QueueDoesNotExistError(names.name)
+        yield Delete(names.bound)
         yield Delete(names.data)
         yield Delete(names.space)
     except AmqpLocksError:
@@ -732,7 +750,8 @@ class Consumer:
 def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow[Consumer]:
     yield from require(names)
     record = yield from read_record(names, names.consumed, ConsumerRecord, policy)
-    bounded = (yield Inspect(names.space)) is not None
+    produced = yield from read_record(names, names.produced, ProducerRecord, policy)
+    bounded = produced.bound > 0
     session = yield from _open(names)
     try:
         record = replace(record, v=record.v + 1, id=holder_id)
