@@ -1,4 +1,5 @@
-"""A live demonstration: 8 worker processes share a semaphore that is resized under them.
+"""A live demonstration: 8 worker processes share a semaphore that is resized under them;
+then two producer processes feed a bounded pressure queue that one consumer process drains.
 
 Run ``python -m amqp_locks.demo`` (or ``bash scripts/demo.sh``). With no ``--url`` and no
 ``$AMQP_URL`` it starts a private RabbitMQ node of its own and stops it afterwards. It uses
@@ -20,7 +21,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import Semaphore, SemaphoreAdmin, errors
+from . import PressureQueue, Semaphore, SemaphoreAdmin, errors
 from .broker import LocalBroker, LocalBrokerError
 
 __all__ = ["main", "run_demo"]
@@ -55,6 +56,88 @@ def _worker(url: str, namespace: str, worker: int, events: Any, stop: Any) -> No
             time.sleep(rng.uniform(0.0, 0.1))
     finally:
         sem.close()
+
+
+PIPE = "demo-pipe"
+PIPE_BOUND = 8
+PIPE_ITEMS = 150
+
+
+def _producer(url: str, prefix: str, producer: int, done: Any) -> None:
+    """Put PIPE_ITEMS numbered items, a few at a time (each batch holds the producer role)."""
+    with PressureQueue(PIPE, url=url, prefix=prefix, client_id=f"producer-{producer}") as q:
+        i = 0
+        while i < PIPE_ITEMS:
+            with q.producing(timeout=30) as p:
+                for _ in range(min(10, PIPE_ITEMS - i)):
+                    p.put(f"{producer}:{i}".encode(), timeout=30)
+                    i += 1
+    done.put(producer)
+
+
+def _consumer(url: str, prefix: str, out: Any) -> None:
+    """Receive until the queue is closed and drained, a little slower than the producers."""
+    got: list[str] = []
+    with PressureQueue(PIPE, url=url, prefix=prefix, client_id="consumer") as q:
+        with q.consuming(timeout=30) as c:
+            while True:
+                try:
+                    with c.receive(timeout=30) as item:
+                        got.append(item.decode())
+                        time.sleep(0.002)
+                except errors.QueueClosedError:
+                    break
+    out.put(got)
+
+
+def _pressure_demo(url: str, prefix: str, ctx: Any) -> bool:
+    """Two producers and one consumer share a bounded queue; check bound, order and stats."""
+    _out("")
+    _out(f"pressure queue {PIPE!r}, bound {PIPE_BOUND}: 2 producer processes x {PIPE_ITEMS} "
+         "items, 1 consumer process")
+    q = PressureQueue(PIPE, url=url, prefix=prefix)
+    q.create(bound=PIPE_BOUND)
+    done, out = ctx.Queue(), ctx.Queue()
+    producers = [ctx.Process(target=_producer, args=(url, prefix, i, done)) for i in (1, 2)]
+    consumer = ctx.Process(target=_consumer, args=(url, prefix, out))
+    for proc in (*producers, consumer):
+        proc.start()
+    longest = 0
+    finished = 0
+    deadline = time.monotonic() + 120
+    try:
+        while finished < 2 and time.monotonic() < deadline:
+            longest = max(longest, q.length())
+            with suppress(queue.Empty):
+                done.get(timeout=0.01)
+                finished += 1
+        q.close(timeout=30)
+        got: list[str] = out.get(timeout=60)
+        stats = q.stats()
+    finally:
+        for proc in (*producers, consumer):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        with suppress(errors.AmqpLocksError):
+            q.delete(timeout=10)
+        q.disconnect()
+    in_order = all(
+        [int(x.split(":")[1]) for x in got if x.startswith(f"{p}:")] == list(range(PIPE_ITEMS))
+        for p in (1, 2)
+    )
+    _out(f"  items received          {len(got)} of {2 * PIPE_ITEMS}")
+    _out(f"  longest queue seen      {longest} (bound {PIPE_BOUND})")
+    _out(f"  each producer in order  {'yes' if in_order else 'NO'}")
+    _out(f"  stats                   {stats}")
+    ok = (
+        len(got) == 2 * PIPE_ITEMS
+        and in_order
+        and longest <= PIPE_BOUND
+        and stats["produced_messages"] == stats["consumed_messages"] == 2 * PIPE_ITEMS
+    )
+    _out("  invariant (bounded, FIFO per producer, nothing lost): " + ("held" if ok else "VIOLATED"))
+    return ok
 
 
 @dataclass
@@ -203,7 +286,8 @@ def run_demo(url: str | None = None, *, workers: int = 8, phase_seconds: float =
             "  invariant (never more holders than slots, never two per slot): "
             + ("held" if ok else "VIOLATED")
         )
-        return 0 if ok and tally.acquisitions > 0 else 1
+        piped = _pressure_demo(broker_url, namespace.rstrip("."), ctx)
+        return 0 if ok and piped and tally.acquisitions > 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
