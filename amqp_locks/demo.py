@@ -78,15 +78,17 @@ def _producer(url: str, prefix: str, producer: int, done: Any) -> None:
 def _consumer(url: str, prefix: str, out: Any) -> None:
     """Receive until the queue is closed and drained, a little slower than the producers."""
     got: list[str] = []
-    with PressureQueue(PIPE, url=url, prefix=prefix, client_id="consumer") as q:
-        with q.consuming(timeout=30) as c:
-            while True:
-                try:
-                    with c.receive(timeout=30) as item:
-                        got.append(item.decode())
-                        time.sleep(0.002)
-                except errors.QueueClosedError:
-                    break
+    with (
+        PressureQueue(PIPE, url=url, prefix=prefix, client_id="consumer") as q,
+        q.consuming(timeout=30) as c,
+    ):
+        while True:
+            try:
+                with c.receive(timeout=30) as item:
+                    got.append(item.decode())
+                    time.sleep(0.002)
+            except errors.QueueClosedError:
+                break
     out.put(got)
 
 
@@ -136,7 +138,8 @@ def _pressure_demo(url: str, prefix: str, ctx: Any) -> bool:
         and longest <= PIPE_BOUND
         and stats["produced_messages"] == stats["consumed_messages"] == 2 * PIPE_ITEMS
     )
-    _out("  invariant (bounded, FIFO per producer, nothing lost): " + ("held" if ok else "VIOLATED"))
+    verdict = "held" if ok else "VIOLATED"
+    _out(f"  invariant (bounded, FIFO per producer, nothing lost): {verdict}")
     return ok
 
 
