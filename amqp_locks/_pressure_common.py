@@ -3,9 +3,11 @@ translation of semaphore outcomes into queue errors. Nothing here does I/O."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,16 @@ class Deadline:
         if self._end is None:
             return None
         return max(self._end - time.monotonic(), 0.0)
+
+    @contextlib.contextmanager
+    def overall(self) -> Iterator[None]:
+        """Report a timeout of any step as one of the whole operation's timeout."""
+        try:
+            yield
+        except OperationTimeoutError as exc:
+            if self.timeout is None or exc.timeout == self.timeout:
+                raise
+            raise OperationTimeoutError(exc.queue, exc.what, self.timeout) from None
 
 
 def role_error(names: P.PressureNames, role: str, what: str, exc: BaseException) -> BaseException:

@@ -249,6 +249,7 @@ class OperationTimeoutError(PressureError, TimeoutError):
     """
 
     def __init__(self, queue: str, what: str, timeout: float) -> None:
+        self.what = what
         self.timeout = timeout
         super().__init__(
             queue,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -48,25 +49,31 @@ class _Role:
         self.lease = lease
         self.io: _IO = lease._io
         self.done = False
+        # One operation at a time on a session: each commit carries the record the previous
+        # one left, and pika allows one basic.get in flight per channel.
+        self.lock = threading.Lock()
 
     def run(self, flow: P.Flow[T]) -> T:
-        if self.done:
-            raise RuntimeError(f"this {self.role} handle was released; take the role again")
-        if not self.lease.held:
-            raise role_lost(self.queue._names, self.role, self.lease.lost_reason)
-        return self.queue._run(flow, io=self.io)
+        with self.lock:
+            if self.done:
+                raise RuntimeError(f"this {self.role} handle was released; take the role again")
+            if not self.lease.held:
+                raise role_lost(self.queue._names, self.role, self.lease.lost_reason)
+            return self.queue._run(flow, io=self.io)
 
     def finish(self, session: Any) -> None:
-        if self.done:
-            return
-        self.done = True
-        try:
-            if self.lease.held:
-                self.queue._run(P.stop(session), io=self.io)
-        except Exception:
-            log.debug("could not close the %s session cleanly", self.role, exc_info=True)
-        finally:
-            self.lease.release()
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
+            try:
+                if not self.io.dead:
+                    # Before the role goes: whatever the session holds goes back first.
+                    self.queue._run(P.stop(session), io=self.io)
+            except Exception:
+                log.debug("could not close the %s session cleanly", self.role, exc_info=True)
+            finally:
+                self.lease.release()
 
 
 class Producing:
@@ -441,7 +448,7 @@ class PressureQueue:
         """Append ``data``, waiting up to ``timeout`` s in all for the role and for room."""
         P.check_data(data)
         deadline = Deadline(timeout)
-        with self._producing(deadline.left(), "put") as p:
+        with deadline.overall(), self._producing(deadline.left(), "put") as p:
             p.put(data, deadline.left())
 
     def put_nowait(self, data: bytes) -> None:
@@ -453,7 +460,7 @@ class PressureQueue:
     def get(self, timeout: float | None = None) -> bytes:
         """Remove and return the oldest item, waiting up to ``timeout`` s in all."""
         deadline = Deadline(timeout)
-        with self._consuming(deadline.left(), "get") as c:
+        with deadline.overall(), self._consuming(deadline.left(), "get") as c:
             return c.get(deadline.left())
 
     def get_nowait(self) -> bytes | None:
@@ -482,7 +489,7 @@ class PressureQueue:
         """Move up to ``count`` dead-lettered items back to the tail; returns how many."""
         n = P.check_count(count, "count")
         deadline = Deadline(timeout)
-        with self._producing(deadline.left(), "kick") as p:
+        with deadline.overall(), self._producing(deadline.left(), "kick") as p:
             return p.kick(n, deadline.left())
 
     def __iter__(self) -> Iterator[bytes]:
