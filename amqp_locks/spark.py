@@ -90,6 +90,9 @@ class ThrottleTimeoutError(errors.AcquireTimeoutError):
             "throttle's timeout, add slots, or run fewer partitions at once",
         )
 
+    def __reduce__(self) -> tuple[type[ThrottleTimeoutError], tuple[str, float, str]]:
+        return type(self), (self.name, self.timeout, self.task)
+
 
 @dataclass(frozen=True)
 class Throttle:
@@ -195,9 +198,7 @@ class Throttle:
             raise errors.InvalidArgumentError(f"wrap() needs a callable, got {fn!r}")
         return ThrottledFunction(self, fn)
 
-    def __call__(
-        self, fn: Callable[[Iterator[T]], Iterable[U] | None]
-    ) -> ThrottledFunction[T, U]:
+    def __call__(self, fn: Callable[[Iterator[T]], Iterable[U] | None]) -> ThrottledFunction[T, U]:
         """Same as :meth:`wrap`, so a Throttle is a decorator: ``@Throttle("api", url)``."""
         return self.wrap(fn)
 
@@ -321,7 +322,7 @@ def throttled(
 ) -> ThrottledFunction[T, U]:
     """``Throttle(name, url, ...).wrap(fn)`` in one call::
 
-        rdd.mapPartitions(throttled(call_api, "payments-api", url, timeout=300))
+    rdd.mapPartitions(throttled(call_api, "payments-api", url, timeout=300))
     """
     throttle = Throttle(
         name,

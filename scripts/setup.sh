@@ -2,7 +2,10 @@
 # Set up everything amqp_locks needs on a fresh Debian/Ubuntu machine (idempotent):
 #   1. installs rabbitmq-server if it is missing (the demo and the tests start private
 #      throwaway nodes from it; the system service the package may start is left alone);
-#   2. creates the virtualenv .venv (or $VENV) and installs the project with its test extras.
+#   2. installs a headless Java runtime if `java` is missing (PySpark needs one for the
+#      amqp_locks.spark tests);
+#   3. creates the virtualenv .venv (or $VENV) and installs the project with its test and spark
+#      extras (AMQP_LOCKS_EXTRAS=test for a lighter install without PySpark, ~450 MB less).
 # Used by scripts/demo.sh and scripts/test.sh; safe to run again.
 set -euo pipefail
 
@@ -56,6 +59,29 @@ MSG
     fi
 fi
 
+EXTRAS="${AMQP_LOCKS_EXTRAS:-test,spark}"
+
+have_java() {
+    command -v java >/dev/null 2>&1 || { [ -n "${JAVA_HOME:-}" ] && [ -x "$JAVA_HOME/bin/java" ]; }
+}
+
+case ",$EXTRAS," in
+*,spark,*)
+    if ! have_java; then
+        if is_root && command -v apt-get >/dev/null 2>&1; then
+            echo "+ installing default-jre-headless (PySpark needs Java)"
+            # Slim Debian images lack the man directory the JRE's postinst links into.
+            mkdir -p /usr/share/man/man1
+            apt_install default-jre-headless
+        else
+            echo ".ci/run: warning: no java on PATH: the PySpark tests (tests/test_spark.py) will" \
+                "be skipped (or fail under \$CI); as root on Debian/Ubuntu:" \
+                "apt-get install -y default-jre-headless" >&2
+        fi
+    fi
+    ;;
+esac
+
 if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     if is_root && command -v apt-get >/dev/null 2>&1; then
         echo "+ installing python3 and python3-venv"
@@ -78,9 +104,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "+ python3 -m venv $VENV"
     python3 -m venv "$VENV"
 fi
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "+ pip install -e '.[test]'"
+# The stamp records the extras installed: changing them (or pyproject.toml) reinstalls.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$EXTRAS" ]; then
+    echo "+ pip install -e '.[$EXTRAS]'"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e '.[test]'
-    touch "$stamp"
+    "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+    echo "$EXTRAS" >"$stamp"
 fi

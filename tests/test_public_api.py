@@ -14,8 +14,11 @@ def test_sync_exports() -> None:
         "HOLDER_ID_ARGUMENT",
         "redact_url",
         "Connection",
+        "Consuming",
         "Lease",
         "Mutex",
+        "PressureQueue",
+        "Producing",
         "Semaphore",
         "SemaphoreAdmin",
         "__version__",
@@ -40,6 +43,16 @@ def test_async_face_has_the_same_classes_with_awaitable_methods() -> None:
     assert aio.Semaphore.__module__ == "amqp_locks.aio"
 
 
+def test_async_pressure_queue_twins_the_sync_one() -> None:
+    for name in ("PressureQueue", "Producing", "Consuming"):
+        sync_cls, async_cls = getattr(amqp_locks, name), getattr(aio, name)
+        public = {m for m in vars(sync_cls) if not m.startswith("_")}
+        assert public <= set(vars(async_cls)), public - set(vars(async_cls))
+        assert async_cls.__module__ == "amqp_locks.aio"
+    for method in ("create", "exists", "length", "put", "get", "close", "delete", "stats"):
+        assert inspect.iscoroutinefunction(getattr(aio.PressureQueue, method)), method
+
+
 def test_every_error_is_an_amqp_locks_error_with_a_docstring() -> None:
     classes = [
         obj
@@ -59,6 +72,16 @@ def test_error_kinds_are_also_the_builtin_kinds_users_catch() -> None:
     assert issubclass(errors.ReleaseTimeoutError, TimeoutError)
     assert issubclass(errors.BrokerTimeoutError, TimeoutError)
     assert issubclass(errors.BrokerUnavailableError, errors.BrokerError)
+    assert issubclass(errors.OperationTimeoutError, TimeoutError)
+    for cls in (
+        errors.QueueDoesNotExistError,
+        errors.QueueAlreadyExistsError,
+        errors.QueueInUseError,
+        errors.QueueFullError,
+        errors.QueueClosedError,
+        errors.OperationTimeoutError,
+    ):
+        assert issubclass(cls, errors.PressureError)
 
 
 def test_redact_url_masks_only_the_password() -> None:
