@@ -2,8 +2,9 @@
 
 Administer semaphores (``create``, ``ensure``, ``resize``, ``add``, ``remove``, ``destroy``,
 ``status``, ``wait``), hold a slot while a command runs (``run``, like ``flock(1)`` across
-hosts), run a throwaway broker for development (``broker start|stop|status|url``) and the live
-demo (``demo``). Every command and exit code is described in ``docs/cli.md``; ``amqp-locks
+hosts), administer and use pressure queues from scripts (``queue create|status|put|get|close|
+kick|delete``), run a throwaway broker for development (``broker start|stop|status|url``) and
+the live demo (``demo``). Every command and exit code is described in ``docs/cli.md``; ``amqp-locks
 COMMAND --help`` says the same in short.
 
 It uses only the public API (:mod:`amqp_locks`, :mod:`amqp_locks.errors`,
@@ -49,6 +50,7 @@ from . import (
     HOLDER_ID_ARGUMENT,
     Connection,
     Lease,
+    PressureQueue,
     Semaphore,
     SemaphoreAdmin,
     __version__,
@@ -83,6 +85,7 @@ class Exit(enum.IntEnum):
     LOST = 6  # run: the slot was lost while COMMAND ran (COMMAND was terminated)
     EXISTS = 7  # create: the semaphore already exists
     UNAVAILABLE = 8  # no broker to talk to (or none to start); the broker failed or timed out
+    CLOSED = 9  # queue put/close/kick after close; queue get on a closed, drained queue
 
 
 EXIT_CODES_HELP = """\
@@ -91,7 +94,8 @@ exit status:
   1  other error              6  lock lost while COMMAND ran (COMMAND was terminated)
   2  usage                    7  already exists (create)
   3  timeout                  8  broker unavailable
-  4  semaphore not found      run: otherwise COMMAND's own status (128+N if killed by signal N)
+  4  not found (semaphore     9  queue closed (put/close/kick after close; get once drained)
+     or queue)                run: otherwise COMMAND's own status (128+N if killed by signal N)
 """
 
 
@@ -538,6 +542,125 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+# ------------------------------------------------------------------------ pressure queues
+
+
+@contextlib.contextmanager
+def _queue(args: argparse.Namespace) -> Iterator[PressureQueue]:
+    conn = Connection(_url(args), connect_timeout=args.connect_timeout)
+    try:
+        yield PressureQueue(args.name, prefix=args.prefix, connection=conn)
+    finally:
+        conn.close()
+
+
+def _cmd_queue_create(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        q.create(args.bound, replicated=args.replicated, delivery_limit=args.delivery_limit)
+        bound = f"bound {args.bound}" if args.bound else "unbounded"
+        _emit(
+            args,
+            {
+                "name": q.name,
+                "queue": q.base,
+                "bound": args.bound,
+                "replicated": args.replicated,
+                "delivery_limit": args.delivery_limit,
+            },
+            f"created pressure queue {q.name!r} ({bound})",
+        )
+    return Exit.OK
+
+
+def _cmd_queue_status(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        if not q.exists():
+            raise CliError(Exit.NOT_FOUND, f"pressure queue {q.name!r} does not exist")
+        data: dict[str, Any] = {
+            "name": q.name,
+            "queue": q.base,
+            "bound": q.bound(),
+            "length": q.length(),
+            "closed": q.closed(),
+            "dead": q.dead_length(),
+            "producer": q.producer_id(),
+            "consumer": q.consumer_id(),
+            "stats": q.stats(),
+        }
+    stats = data["stats"]
+    bound = data["bound"] or "unbounded"
+    text = "\n".join(
+        [
+            f"{data['name']!r} ({data['queue']}): {data['length']} of {bound}"
+            + (", closed" if data["closed"] else ""),
+            f"  produced {stats['produced_messages']} items, {stats['produced_bytes']} bytes"
+            f" (producer: {data['producer'] or '-'})",
+            f"  consumed {stats['consumed_messages']} items, {stats['consumed_bytes']} bytes"
+            f" (consumer: {data['consumer'] or '-'})",
+            f"  dead-lettered: {data['dead']}",
+        ]
+    )
+    _emit(args, data, text)
+    return Exit.OK
+
+
+def _cmd_queue_put(args: argparse.Namespace) -> int:
+    items = [item.encode() for item in args.items]
+    if not items:
+        items = [line.rstrip(b"\n") for line in sys.stdin.buffer]
+    with _queue(args) as q, q.producing(timeout=args.timeout) as p:
+        for item in items:
+            p.put(item, timeout=args.timeout)
+        if args.close:
+            p.close()
+    _emit(args, {"name": args.name, "put": len(items)}, f"put {len(items)} item(s)")
+    return Exit.OK
+
+
+def _cmd_queue_get(args: argparse.Namespace) -> int:
+    got = 0
+    with _queue(args) as q, q.consuming(timeout=args.timeout) as c:
+        while args.count is None or got < args.count:
+            try:
+                item = c.get(timeout=args.timeout)
+            except errors.QueueClosedError:
+                if got == 0:
+                    raise
+                break
+            got += 1
+            if args.json:
+                _out(json.dumps({"item": base64.b64encode(item).decode()}))
+            else:
+                sys.stdout.buffer.write(item + b"\n")
+                sys.stdout.flush()
+    return Exit.OK
+
+
+def _cmd_queue_close(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        q.close(timeout=args.timeout)
+    _emit(args, {"name": args.name, "closed": True}, f"closed pressure queue {args.name!r}")
+    return Exit.OK
+
+
+def _cmd_queue_kick(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        moved = q.kick(args.count, timeout=args.timeout)
+    _emit(args, {"name": args.name, "kicked": moved}, f"moved {moved} dead item(s) back")
+    return Exit.OK
+
+
+def _cmd_queue_delete(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        try:
+            q.delete(timeout=args.timeout)
+        except errors.QueueDoesNotExistError:
+            if not args.missing_ok:
+                raise
+    _emit(args, {"name": args.name, "deleted": True}, f"deleted pressure queue {args.name!r}")
+    return Exit.OK
+
+
 # -------------------------------------------------------------------------------------- run
 
 
@@ -936,6 +1059,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _bound(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (unbounded) or more, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -1146,6 +1279,70 @@ def build_parser() -> argparse.ArgumentParser:
     broker_action("status", _cmd_broker_status, "say whether it runs, where (exit 8 if not)")
     broker_action("url", _cmd_broker_url, "print its AMQP URL (exit 8 if it does not run)")
 
+    queue = commands.add_parser(
+        "queue",
+        help="pressure queues: create, inspect, feed, drain, close, delete",
+        description="Bounded FIFO pressure queues (docs/pressure.md). Items are bytes; on the "
+        "command line, one item per argument or per stdin line.",
+    )
+    queue_actions = queue.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def queue_action(
+        name: str, handler: Callable[[argparse.Namespace], int], help_text: str
+    ) -> argparse.ArgumentParser:
+        sub = queue_actions.add_parser(
+            name,
+            parents=[common],
+            help=help_text,
+            description=help_text,
+            epilog=EXIT_CODES_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.set_defaults(handler=handler, parser=sub)
+        sub.add_argument("name", metavar="NAME", help="the queue's name")
+        sub.add_argument(
+            "--prefix",
+            metavar="P",
+            help="prefix of the queue names (default: $PRESSURE_PREFIX, else __pressure__)",
+        )
+        return sub
+
+    def queue_timeout(sub: argparse.ArgumentParser, what: str) -> None:
+        sub.add_argument(
+            "--timeout", type=_seconds, metavar="S", help=f"{what} (exit 3); default: forever"
+        )
+
+    p = queue_action("create", _cmd_queue_create, "create a queue (exit 7 if it exists)")
+    p.add_argument(
+        "--bound", type=_bound, default=0, metavar="N", help="most items held (0: unbounded)"
+    )
+    p.add_argument("--replicated", action="store_true", help="keep items on quorum queues")
+    p.add_argument(
+        "--delivery-limit",
+        type=_count,
+        metavar="N",
+        help="dead-letter an item after N deliveries without an acknowledgement",
+    )
+    queue_action("status", _cmd_queue_status, "length, bound, closed, stats and role holders")
+    p = queue_action("put", _cmd_queue_put, "put ITEMs (or each stdin line) as the producer")
+    p.add_argument("items", nargs="*", metavar="ITEM", help="items (default: stdin lines)")
+    p.add_argument("--close", action="store_true", help="then close the queue")
+    queue_timeout(p, "wait at most S seconds for the role and for room")
+    p = queue_action("get", _cmd_queue_get, "get items as the consumer, one per stdout line")
+    p.add_argument("--count", type=_count, default=1, metavar="N", help="items to get (default 1)")
+    p.add_argument(
+        "--all", dest="count", action="store_const", const=None, help="until closed and drained"
+    )
+    queue_timeout(p, "wait at most S seconds for the role and for each item")
+    p = queue_action("close", _cmd_queue_close, "close the queue (exit 9 if already closed)")
+    queue_timeout(p, "wait at most S seconds for the producer role")
+    p = queue_action("kick", _cmd_queue_kick, "move dead-lettered items back to the tail")
+    p.add_argument("--count", type=_count, default=1, metavar="N", help="items to move")
+    queue_timeout(p, "wait at most S seconds for the role and for room")
+    p = queue_action("delete", _cmd_queue_delete, "delete the queue and its items")
+    p.add_argument("--missing-ok", action="store_true", help="succeed if it does not exist")
+    queue_timeout(p, "wait at most S seconds for role holders to let go")
+
     p = command("demo", _cmd_demo, "the live demo: workers share a semaphore resized under them")
     p.add_argument("--workers", type=_count, default=8, metavar="N", help="worker processes")
     p.add_argument(
@@ -1192,6 +1389,12 @@ def _setup_logging(verbose: int) -> None:
 _ERROR_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (errors.SemaphoreNotFoundError, Exit.NOT_FOUND),
     (errors.SemaphoreExistsError, Exit.EXISTS),
+    (errors.QueueDoesNotExistError, Exit.NOT_FOUND),
+    (errors.QueueAlreadyExistsError, Exit.EXISTS),
+    (errors.QueueClosedError, Exit.CLOSED),
+    (errors.QueueInUseError, Exit.BUSY),
+    (errors.QueueFullError, Exit.BUSY),
+    (errors.OperationTimeoutError, Exit.TIMEOUT),
     (errors.AcquireTimeoutError, Exit.TIMEOUT),
     (errors.ReleaseTimeoutError, Exit.TIMEOUT),
     (errors.AdminBusyError, Exit.BUSY),

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from amqp_locks import Semaphore, SemaphoreAdmin
+from amqp_locks import PressureQueue, Semaphore, SemaphoreAdmin, errors
 from amqp_locks.broker import RECORD_FILE, LocalBroker, LocalBrokerError
 
 CLI = [sys.executable, "-m", "amqp_locks"]
@@ -56,13 +56,20 @@ def cli(rabbitmq_url: str, amqp_namespace: str, state_dir: Path) -> Run:
     """Run ``amqp-locks --url URL --namespace NS ARGS...``; returns the completed process."""
 
     def run(
-        *args: str, timeout: float = 60, url: str | None = rabbitmq_url, **env: str
+        *args: str,
+        timeout: float = 60,
+        url: str | None = rabbitmq_url,
+        input_text: str | None = None,
+        **env: str,
     ) -> subprocess.CompletedProcess[str]:
         prefix = ["--namespace", amqp_namespace] + (["--url", url] if url else [])
+        stdin: dict[str, Any] = (
+            {"stdin": subprocess.DEVNULL} if input_text is None else {"input": input_text}
+        )
         return subprocess.run(
             [*CLI, *prefix, *args],
             env=_env(state_dir, **env),
-            stdin=subprocess.DEVNULL,
+            **stdin,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -702,3 +709,61 @@ def test_demo_runs_end_to_end(cli: Run) -> None:
     proc = cli("demo", "--workers", "3", "--phase-seconds", "0.5", timeout=120)
     assert proc.returncode == OK, proc.stdout + proc.stderr
     assert "invariant (never more holders than slots, never two per slot): held" in proc.stdout
+
+
+# ------------------------------------------------------------------------ pressure queues
+
+CLOSED = 9
+
+
+@pytest.fixture
+def queue_cli(cli: Run, amqp_namespace: str, rabbitmq_url: str) -> Iterator[Run]:
+    """``amqp-locks queue ACTION NAME --prefix <test namespace> ...``; deletes it afterwards."""
+    prefix = amqp_namespace.rstrip(".")
+
+    def run(action: str, name: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return cli("queue", action, name, *args, "--prefix", prefix, **kw)
+
+    yield run
+    with (
+        PressureQueue("pipe", url=rabbitmq_url, prefix=prefix) as q,
+        contextlib.suppress(errors.QueueDoesNotExistError),
+    ):
+        q.delete(timeout=10)
+
+
+def test_queue_commands_round_trip(queue_cli: Run) -> None:
+    r = queue_cli("create", "pipe", "--bound", "2")
+    assert r.returncode == OK, r.stderr
+    assert "bound 2" in r.stdout
+    assert queue_cli("create", "pipe").returncode == EXISTS
+    r = queue_cli("put", "pipe", "a", "b")
+    assert (r.returncode, r.stdout.strip()) == (OK, "put 2 item(s)"), r.stderr
+    r = queue_cli("put", "pipe", "c", "--timeout", "0.3")
+    assert r.returncode == TIMEOUT and "0.3 s" in r.stderr
+    status = json.loads(queue_cli("status", "pipe", "--json").stdout)
+    assert status["length"] == 2 and status["bound"] == 2 and not status["closed"]
+    assert status["stats"]["produced_messages"] == 2
+    r = queue_cli("get", "pipe")
+    assert (r.returncode, r.stdout) == (OK, "a\n")
+    r = queue_cli("put", "pipe", "--close", input_text="x\n")
+    assert r.returncode == OK, r.stderr
+    r = queue_cli("get", "pipe", "--all")
+    assert (r.returncode, r.stdout) == (OK, "b\nx\n")
+    r = queue_cli("get", "pipe")
+    assert r.returncode == CLOSED and "closed" in r.stderr
+    assert queue_cli("close", "pipe").returncode == CLOSED
+    assert queue_cli("put", "pipe", "z").returncode == CLOSED
+    status = json.loads(queue_cli("status", "pipe", "--json").stdout)
+    assert status["closed"] and status["stats"]["consumed_messages"] == 3
+    assert queue_cli("delete", "pipe").returncode == OK
+    assert queue_cli("status", "pipe").returncode == NOT_FOUND
+    assert queue_cli("delete", "pipe").returncode == NOT_FOUND
+    assert queue_cli("delete", "pipe", "--missing-ok").returncode == OK
+
+
+def test_queue_bad_arguments_exit_2(queue_cli: Run) -> None:
+    assert queue_cli("create", "pipe", "--bound", "-1").returncode == USAGE
+    r = queue_cli("create", "pipe:space")
+    assert r.returncode == USAGE and "rename" in r.stderr
+    assert queue_cli("get", "pipe").returncode == NOT_FOUND
