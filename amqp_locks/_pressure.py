@@ -548,6 +548,10 @@ def create(
     try:
         if (yield from exists(names)):
             raise QueueAlreadyExistsError(names.name)
+        # A delete that stopped midway while a role was held: the holder would go on with its
+        # records in the new queue (stats and bound overwritten). delete() again finishes it.
+        if any((yield from _flows.probe((names.producer.holder(1), names.consumer.holder(1))))):
+            raise QueueAlreadyExistsError(names.name)
         # Whatever a delete that stopped midway left behind must not leak into the new queue.
         for queue in (
             names.data,
@@ -745,6 +749,8 @@ class Consumer:
     record: ConsumerRecord
     bounded: bool
     attempts: Attempts | None = None
+    #: Items on quorum queues: see :func:`_put_back`.
+    replicated: bool = False
 
 
 def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow[Consumer]:
@@ -759,7 +765,7 @@ def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
     except AmqpLocksError:
         yield CloseSession(session)
         raise
-    return Consumer(names, session, record, bounded)
+    return Consumer(names, session, record, bounded, replicated=produced.replicated)
 
 
 def _attempts(consumer: Consumer, policy: Policy) -> Flow[Attempts]:
@@ -835,12 +841,29 @@ def _bury(consumer: Consumer, item: Delivery, deliveries: int) -> Flow[None]:
     consumer.record = record
 
 
+def _put_back(consumer: Consumer, item: Delivery, actions: tuple[Action, ...] = ()) -> Flow[None]:
+    """Commit ``actions`` and put ``item`` back at the head of the queue.
+
+    A classic queue requeues a rejected message at its place. A quorum queue requeues it at
+    the tail (RabbitMQ 3.10, checked: ``basic.reject`` and ``basic.nack`` alike), which would
+    break FIFO; it returns the unacknowledged messages of a closed channel to the head, so
+    there the session's channel is closed and a fresh one replaces it.
+    """
+    if not consumer.replicated:
+        yield Commit(consumer.session, (Reject(item.tag), *actions))
+        return
+    if actions:
+        yield Commit(consumer.session, actions)
+    yield CloseSession(consumer.session)
+    consumer.session = yield from _open(consumer.names)
+
+
 def settle(consumer: Consumer, item: Delivery, done: bool) -> Flow[None]:
     """Acknowledge ``item`` (done: it leaves the queue, a credit comes back) or put it back at
     the head (its next delivery counts as a redelivery)."""
     names = consumer.names
     if not done:
-        yield Commit(consumer.session, (Reject(item.tag),))
+        yield from _put_back(consumer, item)
         return
     record = consumer.record.got(len(item.body))
     actions: list[Action] = [Ack(item.tag), Publish(names.consumed, record.encode())]
@@ -873,10 +896,7 @@ def peek(consumer: Consumer, policy: Policy) -> Flow[bytes | None]:
     attempts = yield from _attempts(consumer, policy)
     # Putting it back marks it redelivered; record that this look was no delivery.
     consumer.attempts = attempts.counting(item.message_id, _counted(item, attempts))
-    yield Commit(
-        consumer.session,
-        (Reject(item.tag), Publish(names.attempts, consumer.attempts.encode())),
-    )
+    yield from _put_back(consumer, item, (Publish(names.attempts, consumer.attempts.encode()),))
     return item.body
 
 

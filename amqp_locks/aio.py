@@ -10,6 +10,11 @@
     async with sem.acquire(timeout=5) as lease:
         ...
     await sem.close()
+
+    async with PressureQueue("frames", url=url) as q:
+        await q.create(bound=100)
+        await q.put(b"frame-1")
+        item = await q.get(timeout=5)
 """
 
 from __future__ import annotations
@@ -17,10 +22,30 @@ from __future__ import annotations
 from . import errors
 from ._async.admin import SemaphoreAdmin
 from ._async.connection import Connection
+from ._async.pressure import Consuming, PressureQueue, Producing
 from ._async.semaphore import Lease, Mutex, Semaphore
 
-__all__ = ["Connection", "Lease", "Mutex", "Semaphore", "SemaphoreAdmin", "errors"]
+__all__ = [
+    "Connection",
+    "Consuming",
+    "Lease",
+    "Mutex",
+    "PressureQueue",
+    "Producing",
+    "Semaphore",
+    "SemaphoreAdmin",
+    "errors",
+]
 
-for _obj in (Connection, Lease, Mutex, Semaphore, SemaphoreAdmin):
+for _obj in (
+    Connection,
+    Consuming,
+    Lease,
+    Mutex,
+    PressureQueue,
+    Producing,
+    Semaphore,
+    SemaphoreAdmin,
+):
     _obj.__module__ = __name__
 del _obj

@@ -38,3 +38,51 @@ def semaphore_queues(base: str, upto: int = 40) -> list[str]:
 def slot_queues_present(url: str, base: str, upto: int = 40) -> list[int]:
     found = existing_queues(url, [f"{base}-{k}-A" for k in range(1, upto + 1)])
     return [k for k in range(1, upto + 1) if f"{base}-{k}-A" in found]
+
+
+# -- pressure queues ---------------------------------------------------------------------------
+
+
+def pressure_queues(base: str) -> list[str]:
+    """Every queue name a pressure queue with prefixed name ``base`` may use (its data, credit,
+    record, attempts, dead-letter and lock queues, and the queues of its two role mutexes)."""
+    names = [
+        base,
+        f"{base}:bound",
+        f"{base}:space",
+        f"{base}:stats:produced",
+        f"{base}:stats:consumed",
+        f"{base}:attempts",
+        f"{base}:dead",
+        f"{base}:lock",
+    ]
+    for role in ("producer", "consumer"):
+        names += semaphore_queues(f"{base}:{role}", upto=2)
+    return names
+
+
+def declared_queues(url: str, queues: Iterable[str]) -> dict[str, tuple[int, int] | None]:
+    """Which of ``queues`` exist, by passive declares (non-destructive, unlike
+    :func:`existing_queues`, whose probes add a message to every queue they find).
+
+    Maps each existing queue to ``(ready messages, consumers)``; a queue held exclusively by
+    another connection (405 RESOURCE_LOCKED) exists but cannot be inspected: ``None``.
+    """
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    found: dict[str, tuple[int, int] | None] = {}
+    try:
+        ch = conn.channel()
+        for queue in queues:
+            try:
+                frame = ch.queue_declare(queue, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                ch = conn.channel()
+                if exc.reply_code == 405:
+                    found[queue] = None
+                elif exc.reply_code != 404:
+                    raise
+                continue
+            found[queue] = (frame.method.message_count, frame.method.consumer_count)
+        return found
+    finally:
+        conn.close()

@@ -34,6 +34,7 @@ from ..errors import (
     BrokerUnavailableError,
     QueueMismatchError,
 )
+from . import _session
 
 log = logging.getLogger("amqp_locks.aio")
 T = TypeVar("T")
@@ -223,13 +224,16 @@ class _AIO:
         claimed: set[str] = set()
         channel: list[aiormq.Channel | None] = [None]
         value: Any = None
+        pressure = _session.RunState()
         try:
             while True:
                 try:
                     op = flow.send(value)
                 except StopIteration as stop:
+                    pressure.check()  # a cancellation that waited for a session RPC
                     return stop.value  # type: ignore[no-any-return]
-                value = await self._execute(op, channel, claimed)
+                pressure.check()
+                value = await self._execute(op, channel, claimed, pressure)
         except BaseException:
             flow.close()
             # An aborted or cancelled flow must not leave an exclusive queue held by this
@@ -238,6 +242,9 @@ class _AIO:
             # connection re-declares them meanwhile.
             for queue in claimed:
                 self.spawn(self._delete_quietly(queue, channel[0]))
+            # Nor a pressure session it opened, nor a delivery it took and did not settle.
+            await _session.abort(self, pressure)
+            pressure.check()  # a cancellation that waited wins over the flow's own error
             raise
         finally:
             self._give_back(channel[0])
@@ -261,7 +268,10 @@ class _AIO:
         op: _flows.Op,
         slot: list[aiormq.Channel | None],
         claimed: set[str],
+        pressure: _session.RunState | None = None,
     ) -> Any:
+        if pressure is not None and _session.handles(op):
+            return await _session.execute(self, op, slot, pressure)
         if isinstance(op, _flows.Sleep):
             await asyncio.sleep(op.seconds)
             return None
