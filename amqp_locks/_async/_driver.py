@@ -47,14 +47,17 @@ _CHANNEL_SPAN = 1000
 
 def map_error(exc: BaseException, queue: str | None) -> BaseException:
     """Turn an aiormq/aio-pika error into ours (anything else passes through)."""
+    if isinstance(exc, asyncio.TimeoutError):  # also an OSError on Python 3.11+: check first
+        return BrokerTimeoutError(f"the broker did not answer in time: {exc!r}")
     if isinstance(exc, amqp_errors.ChannelPreconditionFailed) and queue is not None:
         return QueueMismatchError(queue, str(exc))
     if isinstance(exc, amqp_errors.ChannelAccessRefused):
         return AccessRefusedError(f"broker refused access: {exc}")
-    if isinstance(exc, (amqp_errors.AMQPError, ConnectionError, OSError)):
+    if isinstance(
+        exc,
+        (amqp_errors.AMQPError, amqp_errors.ChannelInvalidStateError, ConnectionError, OSError),
+    ):
         return BrokerUnavailableError(f"broker connection or channel failed: {exc!r}")
-    if isinstance(exc, asyncio.TimeoutError):
-        return BrokerTimeoutError(f"the broker did not answer in time: {exc!r}")
     return exc
 
 

@@ -94,9 +94,8 @@ class _Session:
         pending, self._pending = self._pending, []
         for fail in pending:
             fail(reason)
-        waiter, self.stream_waiter = self.stream_waiter, None
-        if waiter is not None:
-            waiter(P.GONE if _is_not_found(reason) else None)
+        # A credit wait registered its failure handler above: it has been told already.
+        self.stream_waiter = None
         listeners, self._after_close = self._after_close, []
         for listener in listeners:
             listener()
@@ -372,29 +371,34 @@ def _take_stream(
         return
     timer: list[Any] = [None]
 
-    def arrived(delivery: P.Delivery | P.Gone | None) -> None:
+    def abandon() -> None:
+        forget()
+        if session.stream_waiter is arrived:
+            session.stream_waiter = None
         if timer[0] is not None:
             io.remove_timeout(timer[0])
             timer[0] = None
+
+    def arrived(delivery: P.Delivery | P.Gone | None) -> None:
+        abandon()
         run.step(delivery)
 
     def expired() -> None:
         timer[0] = None
         if session.stream_waiter is arrived:
-            session.stream_waiter = None
+            abandon()
             run.step(None)
 
+    def closed(reason: object) -> None:
+        # The session's channel closed while we waited: GONE on a 404, else a broker error
+        # (never a false "no room in time").
+        abandon()
+        fail(reason)
+
+    forget = session._failing(closed)
     session.stream_waiter = arrived
     if op.wait is not None:
         timer[0] = io.call_later(op.wait, expired)
-
-    def abandon() -> None:
-        if session.stream_waiter is arrived:
-            session.stream_waiter = None
-        if timer[0] is not None:
-            io.remove_timeout(timer[0])
-            timer[0] = None
-
     run.on_finish.append(abandon)
 
 

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -61,7 +61,7 @@ class _Role:
                 raise role_lost(self.queue._names, self.role, self.lease.lost_reason)
             return self.queue._run(flow, io=self.io)
 
-    def finish(self, session: Any) -> None:
+    def finish(self, session: Callable[[], Any]) -> None:
         with self.lock:
             if self.done:
                 return
@@ -69,7 +69,8 @@ class _Role:
             try:
                 if not self.io.dead:
                     # Before the role goes: whatever the session holds goes back first.
-                    self.queue._run(P.stop(session), io=self.io)
+                    # (Read under the lock: a put-back on a quorum queue replaces the session.)
+                    self.queue._run(P.stop(session()), io=self.io)
             except Exception:
                 log.debug("could not close the %s session cleanly", self.role, exc_info=True)
             finally:
@@ -140,7 +141,7 @@ class Producing:
 
     def release(self) -> None:
         """Give the role back. Idempotent."""
-        self._role.finish(self._state.session)
+        self._role.finish(lambda: self._state.session)
 
     def __enter__(self) -> Producing:
         return self
@@ -234,7 +235,7 @@ class Consuming:
 
     def release(self) -> None:
         """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        self._role.finish(self._state.session)
+        self._role.finish(lambda: self._state.session)
 
     def __enter__(self) -> Consuming:
         return self
