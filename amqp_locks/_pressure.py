@@ -253,6 +253,8 @@ class ConsumerRecord:
     messages: int = 0
     nbytes: int = 0
     dead: int = 0
+    #: Credits for items already acknowledged, not yet published (see :func:`_return_credit`).
+    owed: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()
@@ -414,10 +416,16 @@ Action = Publish | Ack | Reject
 @dataclass(frozen=True)
 class Commit:
     """Send the actions (persistent, mandatory publishes; acks; rejects with requeue), then
-    ``tx.commit``. Result: the queues of the publishes the broker returned as unroutable."""
+    ``tx.commit``. Result: the queues of the publishes the broker returned as unroutable.
+
+    ``wait=False``: the result (``()``) comes back once the commit is sent, not answered; the
+    session's later operations queue behind it, and a failure shows on them. A driver may
+    always wait instead.
+    """
 
     session: Any
     actions: tuple[Action, ...]
+    wait: bool = True
 
 
 Op = (
@@ -760,12 +768,36 @@ def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
     bounded = produced.bound > 0
     session = yield from _open(names)
     try:
-        record = replace(record, v=record.v + 1, id=holder_id)
-        yield Commit(session, (Publish(names.consumed, record.encode()),))
+        # A consumer that died between acknowledging an item and returning its credit left
+        # the credit owed: pay it now, with the record naming the new holder.
+        owed = record.owed if bounded else 0
+        record = replace(record, v=record.v + 1, id=holder_id, owed=0)
+        credits = tuple(Publish(names.space, b"") for _ in range(owed))
+        yield Commit(session, (*credits, Publish(names.consumed, record.encode())))
     except AmqpLocksError:
         yield CloseSession(session)
         raise
     return Consumer(names, session, record, bounded, replicated=produced.replicated)
+
+
+def _return_credit(consumer: Consumer, record: ConsumerRecord) -> Flow[None]:
+    """Give back the credit of an item whose acknowledgement was just committed.
+
+    Not in the same transaction as the acknowledgement: ``tx.commit`` delivers a
+    transaction's publishes before it applies its acks, so a producer waiting for the credit
+    could publish while the acknowledged item still counts, and the broker would hold
+    bound + 1 items for a moment. The acknowledgement's commit records the credit as owed;
+    this one pays it. It need not be waited for (the next get goes out behind it); a consumer
+    that dies in between leaves ``owed`` for the next one to pay.
+    """
+    names = consumer.names
+    paid = replace(record, v=record.v + 1, owed=record.owed - 1)
+    consumer.record = paid
+    yield Commit(
+        consumer.session,
+        (Publish(names.space, b""), Publish(names.consumed, paid.encode())),
+        wait=False,
+    )
 
 
 def _attempts(consumer: Consumer, policy: Policy) -> Flow[Attempts]:
@@ -827,18 +859,23 @@ def _bury(consumer: Consumer, item: Delivery, deliveries: int) -> Flow[None]:
     names = consumer.names
     assert consumer.attempts is not None
     consumer.attempts = consumer.attempts.counting(None, 0)
-    record = replace(consumer.record, v=consumer.record.v + 1, dead=consumer.record.dead + 1)
+    owed = consumer.record.owed + (1 if consumer.bounded else 0)
+    record = replace(
+        consumer.record, v=consumer.record.v + 1, dead=consumer.record.dead + 1, owed=owed
+    )
     headers = {**item.headers, DELIVERIES_HEADER: deliveries}
-    actions: list[Action] = [
-        Ack(item.tag),
-        Publish(names.dead, item.body, ITEM, item.message_id, headers),
-        Publish(names.consumed, record.encode()),
-        Publish(names.attempts, consumer.attempts.encode()),
-    ]
-    if consumer.bounded:
-        actions.append(Publish(names.space, b""))
-    yield Commit(consumer.session, tuple(actions))
+    yield Commit(
+        consumer.session,
+        (
+            Ack(item.tag),
+            Publish(names.dead, item.body, ITEM, item.message_id, headers),
+            Publish(names.consumed, record.encode()),
+            Publish(names.attempts, consumer.attempts.encode()),
+        ),
+    )
     consumer.record = record
+    if consumer.bounded:
+        yield from _return_credit(consumer, record)
 
 
 def _put_back(consumer: Consumer, item: Delivery, actions: tuple[Action, ...] = ()) -> Flow[None]:
@@ -866,11 +903,12 @@ def settle(consumer: Consumer, item: Delivery, done: bool) -> Flow[None]:
         yield from _put_back(consumer, item)
         return
     record = consumer.record.got(len(item.body))
-    actions: list[Action] = [Ack(item.tag), Publish(names.consumed, record.encode())]
     if consumer.bounded:
-        actions.append(Publish(names.space, b""))
-    yield Commit(consumer.session, tuple(actions))
+        record = replace(record, owed=record.owed + 1)
+    yield Commit(consumer.session, (Ack(item.tag), Publish(names.consumed, record.encode())))
     consumer.record = record
+    if consumer.bounded:
+        yield from _return_credit(consumer, record)
 
 
 def get(consumer: Consumer, wait: float | None, policy: Policy, clock: Clock) -> Flow[bytes | None]:

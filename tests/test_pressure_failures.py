@@ -416,7 +416,7 @@ def test_bound_is_never_exceeded_under_load_nor_after_a_consumer_is_killed(
     with children() as procs:
         producer = start(
             procs, W.produce, url, amqp_namespace, "q", count,
-            str(p_ready), str(p_progress), str(p_out), True,
+            str(p_ready), str(p_progress), str(p_out), False,
         )  # fmt: skip
         wait_paths([p_ready], 30, procs)
         wait_for(lambda: q.length() == bound, 30, procs)
@@ -434,14 +434,20 @@ def test_bound_is_never_exceeded_under_load_nor_after_a_consumer_is_killed(
         consumer.kill()  # SIGKILL, most likely inside a receive block
         consumer.join(10)
         first = read_progress(progress, "got", [])
-        # The producer refills what the dead consumer freed, and no more.
+        # The producer refills what the dead consumer freed, and no more. (One less if the
+        # consumer died between acknowledging an item and returning its credit: the credit is
+        # owed until the next consumer takes the role and pays it; checked at the end.)
         time.sleep(0.5)
-        assert q.length() == bound
+        assert q.length() in (bound - 1, bound)
 
         ready, progress, out = c_files[1]
         start(procs, W.consume, url, amqp_namespace, "q", str(ready), str(progress), str(out))
-        join_all([producer, procs[-1]], 90)
-    peak, samples, at_peak, over = sampler.stop()
+        join_all([producer], 90)
+        # Every item is in: from here on the queue only shrinks. Stop sampling before close()
+        # queues the end marker, which is no item (and takes no credit).
+        peak, samples, at_peak, over = sampler.stop()
+        q.close()
+        join_all([procs[-1]], 90)
     print(
         f"data queue: peak {peak} (bound {bound}) in {samples} samples, {at_peak} at the "
         f"peak, {over} above the bound"
@@ -450,10 +456,11 @@ def test_bound_is_never_exceeded_under_load_nor_after_a_consumer_is_killed(
     produced, consumed = read_json(p_out), read_json(c_files[1][2])
     assert "error" not in produced, produced["error"]["traceback"]
     assert "error" not in consumed, consumed["error"]["traceback"]
-    assert produced["put"] == count and produced.get("closed")
+    assert produced["put"] == count
     assert consumed.get("closed")
-    # Hard limit: one consumer commit at a time can return a credit early (see the end).
-    assert peak <= bound + 1, f"{peak} items on the broker, bound {bound}"
+    # Never above the bound, not even by one for a moment (a get's credit is published only
+    # after its ack was applied: see _pressure._return_credit).
+    assert peak <= bound, f"{peak} items on the broker, bound {bound} ({over} samples above)"
     assert peak >= bound, "the sampler never saw the queue full: the check proved nothing"
     assert samples >= 200
     # Every item once, in order; the one the killed consumer held may come again (at least
@@ -465,14 +472,6 @@ def test_bound_is_never_exceeded_under_load_nor_after_a_consumer_is_killed(
     stats = q.stats()
     assert stats["produced_messages"] == stats["consumed_messages"] == count
     assert queue_info(url, f"{q.base}:space")[0] == bound
-    if peak > bound:
-        # Known bug: RabbitMQ's tx.commit routes a transaction's publishes before it applies
-        # its acks, so the credit a get publishes with its ack can reach the waiting producer,
-        # whose item lands before that ack: bound + 1 items for a moment.
-        pytest.xfail(
-            f"bound {bound} exceeded by one in {over} of {samples} samples: a get's credit "
-            "is routed before its ack is applied (tx.commit order)"
-        )
 
 
 # ------------------------------------------------------------------------------------------

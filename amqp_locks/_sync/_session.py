@@ -60,7 +60,14 @@ class _Session:
         self._get: Callable[[P.Delivery | None], None] | None = None
         # Failure handlers of whatever waits on this channel, called if it closes.
         self._pending: list[Callable[[object], None]] = []
-        self._returned: list[str] = []
+        # Routing keys returned, per commit in flight, oldest first: the broker sends a
+        # transaction's returns before its Commit-Ok, and answers commits in order.
+        self._commits: deque[list[str]] = deque()
+        # RabbitMQ closes the connection (504 "unexpected command while processing
+        # 'tx.commit'") if anything follows a tx.commit on its channel before the Commit-Ok:
+        # operations issued behind a commit sent without waiting are held here until then.
+        self._deferred = 0
+        self._held: deque[Callable[[], None]] = deque()
         self._after_close: list[Callable[[], None]] = []
         # The credit stream (Subscribe), and whoever waits for a credit.
         self.stream_tag: str | None = None
@@ -101,7 +108,8 @@ class _Session:
             listener()
 
     def _on_return(self, _ch: Any, method: Any, _properties: Any, _body: bytes) -> None:
-        self._returned.append(method.routing_key)
+        if self._commits:
+            self._commits[0].append(method.routing_key)
 
     def _on_broker_cancel(self, frame: Any) -> None:
         # RabbitMQ cancels the consumers of a queue that is deleted.
@@ -122,6 +130,27 @@ class _Session:
         done, self._get = self._get, None
         if done is not None:
             done(None)
+
+    def when_ready(self, operation: Callable[[], None]) -> None:
+        """Start ``operation`` now, or once the commits sent without waiting are answered."""
+        if self._deferred:
+            self._held.append(operation)
+        else:
+            operation()
+
+    def commit_unwaited(self, actions: tuple[P.Action, ...]) -> None:
+        self._deferred += 1
+
+        def answered(_returned: tuple[str, ...] | None = None) -> None:
+            self._deferred -= 1
+            while self._held and not self._deferred:
+                self._held.popleft()()
+
+        def failed(reason: object) -> None:
+            log.debug("a commit sent without waiting failed: %r", reason)
+            answered()
+
+        self.commit(actions, answered, failed)
 
     def after_close(self, callback: Callable[[], None]) -> None:
         if self.closed:
@@ -239,7 +268,8 @@ class _Session:
         fail: Callable[[object], None],
     ) -> None:
         forget = self._failing(fail)
-        self._returned = []
+        returned: list[str] = []
+        self._commits.append(returned)
         for action in actions:
             if isinstance(action, P.Publish):
                 properties = pika.BasicProperties(
@@ -262,8 +292,9 @@ class _Session:
 
         def committed(_frame: Any) -> None:
             forget()
-            returned, self._returned = tuple(self._returned), []
-            done(returned)
+            if self._commits and self._commits[0] is returned:
+                self._commits.popleft()
+            done(tuple(returned))
 
         self.ch.tx_commit(callback=committed)
 
@@ -303,7 +334,7 @@ def execute(io: _IO, run: _Run, op: P.Op) -> bool:
         else:
             run.arm("a session channel close")
             session.after_close(lambda: run.step(None))
-            session.close()
+            session.when_ready(session.close)
         return True
     if isinstance(op, (P.Subscribe, P.Take, P.Commit)):
         _session_op(io, run, op)
@@ -315,6 +346,21 @@ def execute(io: _IO, run: _Run, op: P.Op) -> bool:
 
 
 def _session_op(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None:
+    session: _Session = op.session
+    if session._deferred:
+        run.arm("the answer to an earlier transaction commit")
+
+        def resume() -> None:
+            if not run.finished:
+                run.disarm()
+                _session_op_now(io, run, op)
+
+        session.when_ready(resume)
+    else:
+        _session_op_now(io, run, op)
+
+
+def _session_op_now(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None:
     session: _Session = op.session
     queue = op.queue if not isinstance(op, P.Commit) else None
 
@@ -330,6 +376,11 @@ def _session_op(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None
     if isinstance(op, P.Subscribe):
         run.arm(f"a consume of {op.queue!r}")
         session.subscribe(op.queue, op.prefetch, lambda: run.step(None), fail)
+    elif isinstance(op, P.Commit) and not op.wait:
+        # The session's later operations wait for its answer (when_ready); a failure closes
+        # the channel, and the next operation reports it.
+        session.commit_unwaited(op.actions)
+        run.later(())
     elif isinstance(op, P.Commit):
         run.arm("a transaction commit")
         session.commit(op.actions, run.step, fail)
