@@ -59,6 +59,16 @@ def test_public_names() -> None:
         "ThrottledFunction",
         "close_connections",
         "throttled",
+        "ENCODINGS",
+        "PREFIX_CONF_KEY",
+        "Pipe",
+        "PipeFormatError",
+        "PipeItem",
+        "PipeReader",
+        "PipeWriter",
+        "encode_json",
+        "read_pipe",
+        "write_to_pipe",
     }
     assert issubclass(ThrottleTimeoutError, errors.AcquireTimeoutError)
     assert issubclass(ThrottleTimeoutError, TimeoutError)
