@@ -77,7 +77,7 @@ KICKS_HEADER = "x-pressure-kicks"
 DELIVERIES_HEADER = "x-pressure-deliveries"
 
 _RESERVED_ENDINGS = re.compile(
-    r"(:bound|:space|:dead|:lock|:attempts|:producer|:consumer|:stats:produced|:stats:consumed"
+    r"(:bound|:space|:dead|:lock|:attempts|:producer|:consumer|:stats:[a-z]+"
     r"|-[0-9]+-[A-Z])\Z"
 )
 _LONGEST_SUFFIX = ":consumer-100000-B"
@@ -142,6 +142,10 @@ class PressureNames:
     @property
     def consumed(self) -> str:
         return f"{self.base}:stats:consumed"
+
+    @property
+    def credited(self) -> str:
+        return f"{self.base}:stats:credited"
 
     @property
     def attempts(self) -> str:
@@ -253,14 +257,23 @@ class ConsumerRecord:
     messages: int = 0
     nbytes: int = 0
     dead: int = 0
-    #: Credits for items already acknowledged, not yet published (see :func:`_return_credit`).
-    owed: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()
 
     def got(self, size: int) -> ConsumerRecord:
         return replace(self, v=self.v + 1, messages=self.messages + 1, nbytes=self.nbytes + size)
+
+
+@dataclass(frozen=True)
+class CreditRecord:
+    """Credits the consumers gave back in all (see :func:`_return_credit`)."""
+
+    v: int = 0
+    paid: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -279,7 +292,7 @@ class Attempts:
         return replace(self, v=self.v + 1, message=message, deliveries=deliveries)
 
 
-R = TypeVar("R", ProducerRecord, ConsumerRecord, Attempts)
+R = TypeVar("R", ProducerRecord, ConsumerRecord, CreditRecord, Attempts)
 
 
 def decode(kind: type[R], bodies: Sequence[bytes]) -> R | None:
@@ -566,6 +579,7 @@ def create(
             names.space,
             names.produced,
             names.consumed,
+            names.credited,
             names.attempts,
             names.dead,
         ):
@@ -579,6 +593,8 @@ def create(
         )
         yield DeclareDurable(names.consumed, RECORD_ARGUMENTS)
         yield PublishConfirmed(names.consumed, (ConsumerRecord().encode(),))
+        yield DeclareDurable(names.credited, RECORD_ARGUMENTS)
+        yield PublishConfirmed(names.credited, (CreditRecord().encode(),))
         yield DeclareDurable(names.attempts, RECORD_ARGUMENTS)
         yield PublishConfirmed(names.attempts, (Attempts(limit=delivery_limit).encode(),))
         if bound:
@@ -621,7 +637,7 @@ def delete_begin(names: PressureNames, holder_id: str, policy: Policy) -> Flow[N
 def delete_end(names: PressureNames, holder_id: str, policy: Policy) -> Flow[None]:
     """With both roles held by the caller (or gone): delete every remaining part, unlock."""
     try:
-        for queue in (names.produced, names.consumed, names.attempts, names.dead):
+        for queue in (names.produced, names.consumed, names.credited, names.attempts, names.dead):
             yield Delete(queue)
         for role in (names.producer, names.consumer):
             yield from _flows.destroy(role, holder_id=holder_id, policy=policy.semaphore)
@@ -647,6 +663,10 @@ class Producer:
     @property
     def bounded(self) -> bool:
         return self.record.bound > 0
+
+    @property
+    def sessions(self) -> tuple[Any, ...]:
+        return (self.session,)
 
 
 def _open(names: PressureNames) -> Flow[Any]:
@@ -759,6 +779,13 @@ class Consumer:
     attempts: Attempts | None = None
     #: Items on quorum queues: see :func:`_put_back`.
     replicated: bool = False
+    #: A second session, where credits are given back (see :func:`_return_credit`).
+    payer: Any = None
+    credited: CreditRecord = field(default_factory=CreditRecord)
+
+    @property
+    def sessions(self) -> tuple[Any, ...]:
+        return (self.session, self.payer) if self.payer is not None else (self.session,)
 
 
 def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow[Consumer]:
@@ -766,37 +793,50 @@ def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
     record = yield from read_record(names, names.consumed, ConsumerRecord, policy)
     produced = yield from read_record(names, names.produced, ProducerRecord, policy)
     bounded = produced.bound > 0
+    credited = CreditRecord()
+    if bounded:
+        credited = yield from read_record(names, names.credited, CreditRecord, policy)
     session = yield from _open(names)
+    consumer = Consumer(names, session, record, bounded, replicated=produced.replicated)
     try:
-        # A consumer that died between acknowledging an item and returning its credit left
-        # the credit owed: pay it now, with the record naming the new holder.
-        owed = record.owed if bounded else 0
-        record = replace(record, v=record.v + 1, id=holder_id, owed=0)
-        credits = tuple(Publish(names.space, b"") for _ in range(owed))
-        yield Commit(session, (*credits, Publish(names.consumed, record.encode())))
+        consumer.record = replace(record, v=record.v + 1, id=holder_id)
+        yield Commit(session, (Publish(names.consumed, consumer.record.encode()),))
+        if bounded:
+            consumer.payer = yield from _open(names)
+            consumer.credited = credited
+            # Credits of items acknowledged by a consumer that died before giving them back.
+            owed = record.messages + record.dead - credited.paid
+            if owed > 0:
+                yield from _return_credit(consumer, owed, wait=True)
     except AmqpLocksError:
-        yield CloseSession(session)
+        yield from stop(consumer)
         raise
-    return Consumer(names, session, record, bounded, replicated=produced.replicated)
+    return consumer
 
 
-def _return_credit(consumer: Consumer, record: ConsumerRecord) -> Flow[None]:
-    """Give back the credit of an item whose acknowledgement was just committed.
+def _return_credit(consumer: Consumer, count: int = 1, *, wait: bool = False) -> Flow[None]:
+    """Give back the credits of items whose acknowledgement was committed.
 
-    Not in the same transaction as the acknowledgement: ``tx.commit`` delivers a
-    transaction's publishes before it applies its acks, so a producer waiting for the credit
-    could publish while the acknowledged item still counts, and the broker would hold
-    bound + 1 items for a moment. The acknowledgement's commit records the credit as owed;
-    this one pays it. It need not be waited for (the next get goes out behind it); a consumer
-    that dies in between leaves ``owed`` for the next one to pay.
+    Never in the transaction of the acknowledgement: ``tx.commit`` routes a transaction's
+    publishes before it applies its acks, so a producer waiting for the credit could publish
+    while the acknowledged item still counts, and the broker would hold bound + 1 items for a
+    moment. So credits go out on a second session (the payer), after the acknowledgement's
+    Commit-Ok, each with the running total of credits given back (``B:stats:credited``); the
+    consumer record counts the acknowledged items. A consumer that dies in between leaves
+    ``messages + dead - paid`` credits owed, and the next consumer pays them.
+
+    The payer's commit is not waited for: the consumer's next get overlaps it (a session
+    cannot send anything while its own commit is unanswered).
     """
     names = consumer.names
-    paid = replace(record, v=record.v + 1, owed=record.owed - 1)
-    consumer.record = paid
+    consumer.credited = replace(
+        consumer.credited, v=consumer.credited.v + 1, paid=consumer.credited.paid + count
+    )
+    credits = tuple(Publish(names.space, b"") for _ in range(count))
     yield Commit(
-        consumer.session,
-        (Publish(names.space, b""), Publish(names.consumed, paid.encode())),
-        wait=False,
+        consumer.payer,
+        (*credits, Publish(names.credited, consumer.credited.encode())),
+        wait=wait,
     )
 
 
@@ -859,10 +899,7 @@ def _bury(consumer: Consumer, item: Delivery, deliveries: int) -> Flow[None]:
     names = consumer.names
     assert consumer.attempts is not None
     consumer.attempts = consumer.attempts.counting(None, 0)
-    owed = consumer.record.owed + (1 if consumer.bounded else 0)
-    record = replace(
-        consumer.record, v=consumer.record.v + 1, dead=consumer.record.dead + 1, owed=owed
-    )
+    record = replace(consumer.record, v=consumer.record.v + 1, dead=consumer.record.dead + 1)
     headers = {**item.headers, DELIVERIES_HEADER: deliveries}
     yield Commit(
         consumer.session,
@@ -875,7 +912,7 @@ def _bury(consumer: Consumer, item: Delivery, deliveries: int) -> Flow[None]:
     )
     consumer.record = record
     if consumer.bounded:
-        yield from _return_credit(consumer, record)
+        yield from _return_credit(consumer)
 
 
 def _put_back(consumer: Consumer, item: Delivery, actions: tuple[Action, ...] = ()) -> Flow[None]:
@@ -903,12 +940,10 @@ def settle(consumer: Consumer, item: Delivery, done: bool) -> Flow[None]:
         yield from _put_back(consumer, item)
         return
     record = consumer.record.got(len(item.body))
-    if consumer.bounded:
-        record = replace(record, owed=record.owed + 1)
     yield Commit(consumer.session, (Ack(item.tag), Publish(names.consumed, record.encode())))
     consumer.record = record
     if consumer.bounded:
-        yield from _return_credit(consumer, record)
+        yield from _return_credit(consumer)
 
 
 def get(consumer: Consumer, wait: float | None, policy: Policy, clock: Clock) -> Flow[bytes | None]:
@@ -938,5 +973,8 @@ def peek(consumer: Consumer, policy: Policy) -> Flow[bytes | None]:
     return item.body
 
 
-def stop(session: Any) -> Flow[None]:
-    yield CloseSession(session)
+def stop(role: Producer | Consumer) -> Flow[None]:
+    """Close the role holder's sessions (what they hold goes back; a credit payment in
+    flight is answered first)."""
+    for session in reversed(role.sessions):
+        yield CloseSession(session)

@@ -52,6 +52,7 @@ def pressure_queues(base: str) -> list[str]:
         f"{base}:space",
         f"{base}:stats:produced",
         f"{base}:stats:consumed",
+        f"{base}:stats:credited",
         f"{base}:attempts",
         f"{base}:dead",
         f"{base}:lock",

@@ -188,7 +188,7 @@ class Producing:
 
     async def release(self) -> None:
         """Give the role back. Idempotent; safe under cancellation."""
-        await self._role.finish(lambda: self._state.session)
+        await self._role.finish(lambda: self._state)
 
     async def __aenter__(self) -> Producing:
         return self
@@ -290,7 +290,7 @@ class Consuming:
 
     async def release(self) -> None:
         """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        await self._role.finish(lambda: self._state.session)
+        await self._role.finish(lambda: self._state)
 
     async def __aenter__(self) -> Consuming:
         return self

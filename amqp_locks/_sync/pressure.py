@@ -141,7 +141,7 @@ class Producing:
 
     def release(self) -> None:
         """Give the role back. Idempotent."""
-        self._role.finish(lambda: self._state.session)
+        self._role.finish(lambda: self._state)
 
     def __enter__(self) -> Producing:
         return self
@@ -235,7 +235,7 @@ class Consuming:
 
     def release(self) -> None:
         """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        self._role.finish(lambda: self._state.session)
+        self._role.finish(lambda: self._state)
 
     def __enter__(self) -> Consuming:
         return self
