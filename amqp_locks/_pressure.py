@@ -144,6 +144,16 @@ class PressureNames:
         return f"{self.base}:stats:consumed"
 
     @property
+    def producing(self) -> str:
+        """The producer record's private copy, read only by the next producer."""
+        return f"{self.base}:stats:producing"
+
+    @property
+    def consuming(self) -> str:
+        """The consumer record's private copy, read only by the next consumer."""
+        return f"{self.base}:stats:consuming"
+
+    @property
     def credited(self) -> str:
         return f"{self.base}:stats:credited"
 
@@ -293,6 +303,19 @@ class Attempts:
 
 
 R = TypeVar("R", ProducerRecord, ConsumerRecord, CreditRecord, Attempts)
+
+
+def _both(
+    public: str, private: str, record: ProducerRecord | ConsumerRecord
+) -> tuple[Publish, Publish]:
+    """A role record, written twice: for readers, and for the next holder of the role.
+
+    Readers take a record out of its queue for a moment (basic.get, then nack); a holder
+    writing meanwhile can leave an older one as the only one visible. The next holder must
+    never start from that, so it reads a copy no reader touches.
+    """
+    body = record.encode()
+    return Publish(public, body), Publish(private, body)
 
 
 def decode(kind: type[R], bodies: Sequence[bytes]) -> R | None:
@@ -578,7 +601,9 @@ def create(
             names.data,
             names.space,
             names.produced,
+            names.producing,
             names.consumed,
+            names.consuming,
             names.credited,
             names.attempts,
             names.dead,
@@ -586,13 +611,13 @@ def create(
             yield Delete(queue)
         yield from _ensure_role(names.producer, holder_id, policy)
         yield from _ensure_role(names.consumer, holder_id, policy)
-        yield DeclareDurable(names.produced, RECORD_ARGUMENTS)
-        yield PublishConfirmed(
-            names.produced,
-            (ProducerRecord(bound=bound, replicated=replicated).encode(),),
-        )
-        yield DeclareDurable(names.consumed, RECORD_ARGUMENTS)
-        yield PublishConfirmed(names.consumed, (ConsumerRecord().encode(),))
+        first = ProducerRecord(bound=bound, replicated=replicated).encode()
+        for queue in (names.produced, names.producing):
+            yield DeclareDurable(queue, RECORD_ARGUMENTS)
+            yield PublishConfirmed(queue, (first,))
+        for queue in (names.consumed, names.consuming):
+            yield DeclareDurable(queue, RECORD_ARGUMENTS)
+            yield PublishConfirmed(queue, (ConsumerRecord().encode(),))
         yield DeclareDurable(names.credited, RECORD_ARGUMENTS)
         yield PublishConfirmed(names.credited, (CreditRecord().encode(),))
         yield DeclareDurable(names.attempts, RECORD_ARGUMENTS)
@@ -637,7 +662,15 @@ def delete_begin(names: PressureNames, holder_id: str, policy: Policy) -> Flow[N
 def delete_end(names: PressureNames, holder_id: str, policy: Policy) -> Flow[None]:
     """With both roles held by the caller (or gone): delete every remaining part, unlock."""
     try:
-        for queue in (names.produced, names.consumed, names.credited, names.attempts, names.dead):
+        for queue in (
+            names.produced,
+            names.producing,
+            names.consumed,
+            names.consuming,
+            names.credited,
+            names.attempts,
+            names.dead,
+        ):
             yield Delete(queue)
         for role in (names.producer, names.consumer):
             yield from _flows.destroy(role, holder_id=holder_id, policy=policy.semaphore)
@@ -677,7 +710,7 @@ def start_producer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
     """Run right after taking the producer role: load the record, subscribe to credits, and
     record who holds the role."""
     yield from require(names)
-    record = yield from read_record(names, names.produced, ProducerRecord, policy)
+    record = yield from read_record(names, names.producing, ProducerRecord, policy)
     session = yield from _open(names)
     try:
         if record.bound:
@@ -685,7 +718,7 @@ def start_producer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
             if (yield Subscribe(session, names.space, prefetch)) is GONE:
                 raise QueueDoesNotExistError(names.name)
         record = replace(record, v=record.v + 1, id=holder_id)
-        yield Commit(session, (Publish(names.produced, record.encode()),))
+        yield Commit(session, _both(names.produced, names.producing, record))
     except AmqpLocksError:
         yield CloseSession(session)
         raise
@@ -707,7 +740,7 @@ def put(producer: Producer, data: bytes, wait: float | None) -> Flow[bool]:
         actions.append(Ack(credit.tag))
     record = producer.record.put(len(data))
     actions.append(Publish(names.data, data, ITEM, str(record.messages)))
-    actions.append(Publish(names.produced, record.encode()))
+    actions.extend(_both(names.produced, names.producing, record))
     returned = yield Commit(producer.session, tuple(actions))
     if names.data in returned:
         raise QueueDoesNotExistError(names.name)
@@ -722,7 +755,7 @@ def close(producer: Producer) -> Flow[None]:
     record = replace(producer.record, v=producer.record.v + 1, closed=True)
     returned = yield Commit(
         producer.session,
-        (Publish(names.data, b"", CLOSED), Publish(names.produced, record.encode())),
+        (Publish(names.data, b"", CLOSED), *_both(names.produced, names.producing, record)),
     )
     if names.data in returned:
         raise QueueDoesNotExistError(names.name)
@@ -790,7 +823,8 @@ class Consumer:
 
 def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow[Consumer]:
     yield from require(names)
-    record = yield from read_record(names, names.consumed, ConsumerRecord, policy)
+    record = yield from read_record(names, names.consuming, ConsumerRecord, policy)
+    # Only for what never changes (bound, replicated): any copy will do.
     produced = yield from read_record(names, names.produced, ProducerRecord, policy)
     bounded = produced.bound > 0
     credited = CreditRecord()
@@ -800,7 +834,7 @@ def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
     consumer = Consumer(names, session, record, bounded, replicated=produced.replicated)
     try:
         consumer.record = replace(record, v=record.v + 1, id=holder_id)
-        yield Commit(session, (Publish(names.consumed, consumer.record.encode()),))
+        yield Commit(session, _both(names.consumed, names.consuming, consumer.record))
         if bounded:
             consumer.payer = yield from _open(names)
             consumer.credited = credited
@@ -906,7 +940,7 @@ def _bury(consumer: Consumer, item: Delivery, deliveries: int) -> Flow[None]:
         (
             Ack(item.tag),
             Publish(names.dead, item.body, ITEM, item.message_id, headers),
-            Publish(names.consumed, record.encode()),
+            *_both(names.consumed, names.consuming, record),
             Publish(names.attempts, consumer.attempts.encode()),
         ),
     )
@@ -940,7 +974,7 @@ def settle(consumer: Consumer, item: Delivery, done: bool) -> Flow[None]:
         yield from _put_back(consumer, item)
         return
     record = consumer.record.got(len(item.body))
-    yield Commit(consumer.session, (Ack(item.tag), Publish(names.consumed, record.encode())))
+    yield Commit(consumer.session, (Ack(item.tag), *_both(names.consumed, names.consuming, record)))
     consumer.record = record
     if consumer.bounded:
         yield from _return_credit(consumer)

@@ -53,6 +53,8 @@ def pressure_queues(base: str) -> list[str]:
         f"{base}:stats:produced",
         f"{base}:stats:consumed",
         f"{base}:stats:credited",
+        f"{base}:stats:producing",
+        f"{base}:stats:consuming",
         f"{base}:attempts",
         f"{base}:dead",
         f"{base}:lock",

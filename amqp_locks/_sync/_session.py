@@ -68,6 +68,7 @@ class _Session:
         # operations issued behind a commit sent without waiting are held here until then.
         self._deferred = 0
         self._held: deque[Callable[[], None]] = deque()
+        self._merged: list[P.Action] | None = None
         self._after_close: list[Callable[[], None]] = []
         # The credit stream (Subscribe), and whoever waits for a credit.
         self.stream_tag: str | None = None
@@ -139,6 +140,25 @@ class _Session:
             operation()
 
     def commit_unwaited(self, actions: tuple[P.Action, ...]) -> None:
+        """Commit ``actions`` without anyone waiting for the answer.
+
+        Behind a commit still unanswered, they join the next one instead (one transaction for
+        several: a consumer giving credits back faster than the broker commits them).
+        """
+        if self._deferred:
+            if self._merged is None:
+                self._merged = []
+                self._held.append(self._send_merged)
+            self._merged.extend(actions)
+            return
+        self._send_unwaited(actions)
+
+    def _send_merged(self) -> None:
+        actions, self._merged = tuple(self._merged or ()), None
+        if actions:
+            self._send_unwaited(actions)
+
+    def _send_unwaited(self, actions: tuple[P.Action, ...]) -> None:
         self._deferred += 1
 
         def answered(_returned: tuple[str, ...] | None = None) -> None:
@@ -347,6 +367,10 @@ def execute(io: _IO, run: _Run, op: P.Op) -> bool:
 
 def _session_op(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None:
     session: _Session = op.session
+    if isinstance(op, P.Commit) and not op.wait and not session.closed:
+        session.commit_unwaited(op.actions)
+        run.later(())
+        return
     if session._deferred:
         run.arm("the answer to an earlier transaction commit")
 
@@ -376,11 +400,6 @@ def _session_op_now(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> 
     if isinstance(op, P.Subscribe):
         run.arm(f"a consume of {op.queue!r}")
         session.subscribe(op.queue, op.prefetch, lambda: run.step(None), fail)
-    elif isinstance(op, P.Commit) and not op.wait:
-        # The session's later operations wait for its answer (when_ready); a failure closes
-        # the channel, and the next operation reports it.
-        session.commit_unwaited(op.actions)
-        run.later(())
     elif isinstance(op, P.Commit):
         run.arm("a transaction commit")
         session.commit(op.actions, run.step, fail)
