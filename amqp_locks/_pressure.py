@@ -748,6 +748,51 @@ def put(producer: Producer, data: bytes, wait: float | None) -> Flow[bool]:
     return True
 
 
+#: Most items one transaction carries (put_many on an unbounded queue, or many credits).
+MAX_BATCH = 256
+
+
+def put_many(
+    producer: Producer, items: Sequence[bytes], wait: float | None, clock: Clock
+) -> Flow[int]:
+    """Put ``items`` in order, as many per transaction as there are credits in hand (one
+    round trip for a batch instead of one per item). Waits up to ``wait`` s in all for room;
+    returns how many were put (fewer only when the time ran out)."""
+    names = producer.names
+    if producer.record.closed:
+        raise QueueClosedError(names.name, "close() was called; nothing can be put any more")
+    deadline = None if wait is None else clock() + wait
+    done = 0
+    while done < len(items):
+        want = min(len(items) - done, MAX_BATCH)
+        actions: list[Action] = []
+        if producer.bounded:
+            left = None if deadline is None else max(deadline - clock(), 0.0)
+            credit = yield Take(producer.session, names.space, left, stream=True)
+            while credit is not None:
+                if credit is GONE:
+                    raise QueueDoesNotExistError(names.name)
+                actions.append(Ack(credit.tag))
+                if len(actions) == want:
+                    break
+                # Only credits already here (or one more get): never wait with some in hand.
+                credit = yield Take(producer.session, names.space, 0.0, stream=True)
+            if not actions:
+                return done
+        count = len(actions) if producer.bounded else want
+        record = producer.record
+        for data in items[done : done + count]:
+            record = record.put(len(data))
+            actions.append(Publish(names.data, data, ITEM, str(record.messages)))
+        actions.extend(_both(names.produced, names.producing, record))
+        returned = yield Commit(producer.session, tuple(actions))
+        if names.data in returned:
+            raise QueueDoesNotExistError(names.name)
+        producer.record = record
+        done += count
+    return done
+
+
 def close(producer: Producer) -> Flow[None]:
     names = producer.names
     if producer.record.closed:
@@ -978,6 +1023,35 @@ def settle(consumer: Consumer, item: Delivery, done: bool) -> Flow[None]:
     consumer.record = record
     if consumer.bounded:
         yield from _return_credit(consumer)
+
+
+def get_many(
+    consumer: Consumer, most: int, wait: float | None, policy: Policy, clock: Clock
+) -> Flow[list[bytes]]:
+    """Up to ``most`` items, removed in one transaction: waits up to ``wait`` s for the first,
+    then takes only what is there already. An empty list: nothing came in time."""
+    first = yield from take(consumer, wait, policy, clock)
+    if first is None:
+        return []
+    taken = [first]
+    while len(taken) < min(most, MAX_BATCH):
+        try:
+            item = yield from take(consumer, 0.0, policy, clock)
+        except QueueClosedError:
+            break  # the end marker, back at the head: the items before it are ours
+        if item is None:
+            break
+        taken.append(item)
+    names = consumer.names
+    record = consumer.record
+    for item in taken:
+        record = record.got(len(item.body))
+    acks = tuple(Ack(item.tag) for item in taken)
+    yield Commit(consumer.session, (*acks, *_both(names.consumed, names.consuming, record)))
+    consumer.record = record
+    if consumer.bounded:
+        yield from _return_credit(consumer, len(taken))
+    return [item.body for item in taken]
 
 
 def get(consumer: Consumer, wait: float | None, policy: Policy, clock: Clock) -> Flow[bytes | None]:

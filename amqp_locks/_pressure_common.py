@@ -52,7 +52,7 @@ class Deadline:
         except OperationTimeoutError as exc:
             if self.timeout is None or exc.timeout == self.timeout:
                 raise
-            raise OperationTimeoutError(exc.queue, exc.what, self.timeout) from None
+            raise OperationTimeoutError(exc.queue, exc.what, self.timeout, done=exc.done) from None
 
 
 def role_error(names: P.PressureNames, role: str, what: str, exc: BaseException) -> BaseException:
@@ -67,9 +67,7 @@ def role_error(names: P.PressureNames, role: str, what: str, exc: BaseException)
 
 
 def role_lost(names: P.PressureNames, role: str, reason: str | None) -> LockLostError:
-    return LockLostError(
-        f"{names.name} ({role} role)", 1, reason or "the role's lease was lost"
-    )
+    return LockLostError(f"{names.name} ({role} role)", 1, reason or "the role's lease was lost")
 
 
 def holder_id(client_id: str | None, connection_id: str) -> str:

@@ -95,8 +95,10 @@ def _consumer(url: str, prefix: str, out: Any) -> None:
 def _pressure_demo(url: str, prefix: str, ctx: Any) -> bool:
     """Two producers and one consumer share a bounded queue; check bound, order and stats."""
     _out("")
-    _out(f"pressure queue {PIPE!r}, bound {PIPE_BOUND}: 2 producer processes x {PIPE_ITEMS} "
-         "items, 1 consumer process")
+    _out(
+        f"pressure queue {PIPE!r}, bound {PIPE_BOUND}: 2 producer processes x {PIPE_ITEMS} "
+        "items, 1 consumer process"
+    )
     q = PressureQueue(PIPE, url=url, prefix=prefix)
     q.create(bound=PIPE_BOUND)
     done, out = ctx.Queue(), ctx.Queue()

@@ -245,16 +245,23 @@ class QueueClosedError(PressureError):
 class OperationTimeoutError(PressureError, TimeoutError):
     """A blocking pressure-queue operation did not complete within its timeout.
 
-    Nothing was put or taken: the operation can be retried as it is.
+    Nothing was put or taken, except by ``put_many``: its first ``done`` items were put.
     """
 
-    def __init__(self, queue: str, what: str, timeout: float) -> None:
+    def __init__(self, queue: str, what: str, timeout: float, *, done: int | None = None) -> None:
         self.what = what
         self.timeout = timeout
+        #: put_many: how many of the items (the first ones) were put before the time ran out.
+        self.done = done or 0
+        outcome = (
+            "nothing was put or taken — retry"
+            if not done
+            else f"the first {done} items were put — put the rest again"
+        )
         super().__init__(
             queue,
             f"{what} on pressure queue {queue!r} did not complete within {timeout:g} s; "
-            "nothing was put or taken — retry, or raise the timeout",
+            f"{outcome}, or raise the timeout",
         )
 
 

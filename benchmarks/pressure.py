@@ -15,6 +15,8 @@ carries the send time; both processes are on this machine).
   Every put and get is a committed transaction (item, credit and stats together).
 * ``pressure_oneshot``: ``q.put()`` / ``q.get()`` without holding the roles, so each call
   takes and gives back its role (a semaphore acquire and release) — fewer items.
+* ``pressure_batch32``: roles held, ``put_many()`` of 32 items and ``get_many(32)``: one
+  transaction per batch instead of per item (the same guarantees per item).
 
 Variants run in interleaved rounds (raw, pressure, raw, pressure, ...); the table shows the
 median of the rounds. Target: ``pressure_msgs_per_s`` at least half ``raw_pika_msgs_per_s``.
@@ -56,6 +58,7 @@ log = logging.getLogger("bench")
 ITEM_SIZE = 1024
 BOUND = 128
 RAW_PREFETCH = 128
+BATCH = 32
 TARGET_RATIO = 0.5
 _STAMP = struct.Struct("!d")
 
@@ -103,13 +106,17 @@ def raw_consumer(url: str, queue: str, n: int, start: Any, out: Any) -> None:
 
 
 def pressure_producer(
-    url: str, name: str, prefix: str, n: int, oneshot: bool, start: Any, out: Any
+    url: str, name: str, prefix: str, n: int, mode: str, start: Any, out: Any
 ) -> None:
     with PressureQueue(name, url=url, prefix=prefix) as q:
         q.exists()  # connect before the clock starts
         start.wait()
         t0 = time.time()
-        if oneshot:
+        if mode == "batch":
+            with q.producing() as p:
+                for first in range(0, n, BATCH):
+                    p.put_many([body(i) for i in range(first, min(first + BATCH, n))])
+        elif mode == "oneshot":
             for i in range(n):
                 q.put(body(i))
         else:
@@ -120,14 +127,20 @@ def pressure_producer(
 
 
 def pressure_consumer(
-    url: str, name: str, prefix: str, n: int, oneshot: bool, start: Any, out: Any
+    url: str, name: str, prefix: str, n: int, mode: str, start: Any, out: Any
 ) -> None:
     lat: list[float] = []
     with PressureQueue(name, url=url, prefix=prefix) as q:
         q.exists()
         start.wait()
         t0 = time.time()
-        if oneshot:
+        if mode == "batch":
+            with q.consuming() as c:
+                while len(lat) < n:
+                    items = c.get_many(BATCH)
+                    now = time.time()
+                    lat.extend(latency_ms(item, now) for item in items)
+        elif mode == "oneshot":
             for _ in range(n):
                 lat.append(latency_ms(q.get(), time.time()))
         else:
@@ -140,8 +153,13 @@ def pressure_consumer(
 # -- one round of one variant ------------------------------------------------------------------
 
 
-def pair(ctx: SpawnContext, target_p: Callable[..., None], target_c: Callable[..., None],
-         args: tuple[Any, ...], n: int) -> dict[str, float]:
+def pair(
+    ctx: SpawnContext,
+    target_p: Callable[..., None],
+    target_c: Callable[..., None],
+    args: tuple[Any, ...],
+    n: int,
+) -> dict[str, float]:
     start = ctx.Event()
     out: Any = ctx.Queue()
     procs = [
@@ -183,13 +201,13 @@ def round_raw(ctx: SpawnContext, url: str, n: int) -> dict[str, float]:
         conn.close()
 
 
-def round_pressure(ctx: SpawnContext, url: str, n: int, oneshot: bool) -> dict[str, float]:
+def round_pressure(ctx: SpawnContext, url: str, n: int, mode: str) -> dict[str, float]:
     prefix = f"bench-{os.getpid()}-{secrets.token_hex(3)}"
     name = "frames"
     with PressureQueue(name, url=url, prefix=prefix) as q:
         q.create(bound=BOUND)
         try:
-            args = (url, name, prefix, n, oneshot)
+            args = (url, name, prefix, n, mode)
             return pair(
                 ctx,
                 pressure_producer,
@@ -223,9 +241,7 @@ def format_table(rows: dict[str, dict[str, float]], ratio: float) -> str:
         )
     verdict = "pass" if ratio >= TARGET_RATIO else "FAIL"
     lines.append("")
-    lines.append(
-        f"pressure / raw_pika = {ratio:.2f}  (target >= {TARGET_RATIO:g})  {verdict}"
-    )
+    lines.append(f"pressure / raw_pika = {ratio:.2f}  (target >= {TARGET_RATIO:g})  {verdict}")
     return "\n".join(lines)
 
 
@@ -258,16 +274,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker.start()
         url = broker.url
     ctx = multiprocessing.get_context("spawn")
-    runs: dict[str, list[dict[str, float]]] = {"raw_pika": [], "pressure": [],
-                                                "pressure_oneshot": []}
+    runs: dict[str, list[dict[str, float]]] = {
+        "raw_pika": [],
+        "pressure": [],
+        "pressure_batch32": [],
+        "pressure_oneshot": [],
+    }
     try:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
             runs["raw_pika"].append(round_raw(ctx, url, args.items))
-            runs["pressure"].append(round_pressure(ctx, url, args.items, oneshot=False))
-            runs["pressure_oneshot"].append(
-                round_pressure(ctx, url, args.oneshot_items, oneshot=True)
-            )
+            runs["pressure"].append(round_pressure(ctx, url, args.items, "held"))
+            runs["pressure_batch32"].append(round_pressure(ctx, url, args.items, "batch"))
+            runs["pressure_oneshot"].append(round_pressure(ctx, url, args.oneshot_items, "oneshot"))
     finally:
         if broker is not None:
             broker.stop()
@@ -278,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pressure_msgs_per_s": rows["pressure"]["msgs_per_s"],
         "raw_pika_msgs_per_s": rows["raw_pika"]["msgs_per_s"],
         "pressure_oneshot_msgs_per_s": rows["pressure_oneshot"]["msgs_per_s"],
+        "pressure_batch32_msgs_per_s": rows["pressure_batch32"]["msgs_per_s"],
         "ratio": ratio,
         "target_ratio": TARGET_RATIO,
         "passed": ratio >= TARGET_RATIO,
@@ -290,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "item_bytes": ITEM_SIZE,
             "bound": BOUND,
             "raw_prefetch": RAW_PREFETCH,
+            "batch": BATCH,
         },
         "environment": {
             "broker": source,

@@ -919,3 +919,73 @@ def test_bad_data_and_timeouts_change_nothing(make_queue: MakeQueue, rabbitmq_ur
     )
     q.put_nowait(b"y")
     assert [q.get_nowait(), q.get_nowait()] == [b"x", b"y"]
+
+
+# ------------------------------------------------------------------------------------------
+# batches: put_many and get_many
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bound", [0, 4])
+def test_put_many_get_many_keep_order_bound_and_exact_stats(
+    make_queue: MakeQueue, rabbitmq_url: str, bound: int
+) -> None:
+    q = make_queue(bound=bound)
+    first = [f"item-{i}".encode() for i in range(3)]
+    q.put_many(first)
+    assert q.length() == 3
+    if bound:
+        assert credits(rabbitmq_url, q) == bound - 3
+        # More than the room left: the first fits, the time runs out for the rest.
+        with pytest.raises(errors.OperationTimeoutError) as caught:
+            q.put_many([b"x", b"y", b"z"], timeout=0.3)
+        assert caught.value.done == 1 and "first 1 items were put" in str(caught.value)
+    else:
+        q.put_many([b"x"])
+    assert q.length() == 4
+    assert q.get_many(2) == first[:2]
+    assert q.get_many(10, timeout=1) == [first[2], b"x"]  # only what is there, no waiting
+    with pytest.raises(errors.OperationTimeoutError):
+        q.get_many(3, timeout=0.2)
+    assert q.stats() == stats([*first, b"x"], [*first, b"x"])
+    if bound:
+        wait_until(lambda: credits(rabbitmq_url, q) == bound)  # every credit back
+
+
+def test_put_many_blocks_while_full_and_resumes_as_room_frees(
+    make_queue: MakeQueue, rabbitmq_url: str
+) -> None:
+    q = make_queue(bound=3)
+    items = [str(i).encode() for i in range(20)]
+    producer = Background(lambda: q.put_many(items, timeout=30))
+    got: list[bytes] = []
+    with make_queue().consuming(timeout=5) as c:
+        while len(got) < len(items):
+            batch = c.get_many(5, timeout=10)
+            assert 1 <= len(batch) <= 3  # never more than the bound was queued
+            got += batch
+    producer.join(10)
+    assert got == items
+    assert credits(rabbitmq_url, q) == 3
+
+
+def test_get_many_stops_at_the_end_marker_and_then_reports_closed(make_queue: MakeQueue) -> None:
+    q = make_queue(bound=5)
+    with q.producing() as p:
+        p.put_many([b"a", b"b"])
+        p.close()
+    assert q.get_many(10) == [b"a", b"b"]
+    with pytest.raises(errors.QueueClosedError):
+        q.get_many(10)
+    with pytest.raises(errors.QueueClosedError):
+        q.put_many([b"c"])
+
+
+def test_batch_arguments_are_checked_before_any_broker_work(make_queue: MakeQueue) -> None:
+    q = make_queue(bound=2)
+    with pytest.raises(TypeError):
+        q.put_many([b"ok", "not bytes"])  # type: ignore[list-item]
+    assert q.length() == 0  # nothing of the batch was put
+    for most in (0, -1, 1.5, True):
+        with pytest.raises(errors.InvalidArgumentError):
+            q.get_many(most)  # type: ignore[arg-type]

@@ -766,3 +766,20 @@ async def test_shared_connection_and_context_managers(
         assert repr(q).startswith("<aio.PressureQueue")
     with pytest.raises(errors.InvalidArgumentError):
         PressureQueue("x", url=rabbitmq_url, connection=conn)
+
+
+async def test_put_many_get_many(make_queue: MakeQueue) -> None:
+    q = await make_queue(bound=3)
+    await q.put_many([b"a", b"b"])
+    with pytest.raises(errors.OperationTimeoutError) as caught:
+        await q.put_many([b"c", b"d"], timeout=0.3)
+    assert caught.value.done == 1
+    assert await q.get_many(10) == [b"a", b"b", b"c"]
+    async with q.producing() as p:
+        await p.put_many([b"e"])
+        await p.close()
+    async with q.consuming() as c:
+        assert await c.get_many(5) == [b"e"]
+        with pytest.raises(errors.QueueClosedError):
+            await c.get_many(5)
+    assert await q.stats() == stats([b"a", b"b", b"c", b"e"], [b"a", b"b", b"c", b"e"])

@@ -517,6 +517,45 @@ def test_a_put_with_credits_prefetched_is_one_commit_and_nothing_else(model) -> 
     assert [type(a) for a in ops[1].actions] == [Ack, Publish, Publish, Publish]
 
 
+def _run_jobs(model: PressureModel) -> None:
+    """Let the broker do every commit sent without waiting."""
+    while model.jobs:
+        model.job_step(model.ready_jobs()[0])
+
+
+def test_put_many_is_one_commit_per_batch_of_credits_in_hand(model) -> None:
+    create(model, 8)
+    p = Client(model, "producer", "p")
+    batch = [str(i).encode() for i in range(5)]
+    mark = model.mark()
+    assert p.run(P.put_many(p.state, batch, 0.0, model.now)) == 5
+    commits = [op for op in model.broker_ops(since=mark) if isinstance(op, Commit)]
+    assert len(commits) == 1  # five credits were delivered ahead: one transaction
+    assert [type(a) for a in commits[0].actions] == [Ack] * 5 + [Publish] * 7
+    assert (credits(model), items(model)) == (3, 5)
+    # Three credits left for five more items: three go in, then the time is up.
+    assert p.run(P.put_many(p.state, batch, 0.0, model.now)) == 3
+    assert (credits(model), items(model)) == (0, 8)
+    check_bound(model, 8)
+
+
+def test_get_many_takes_what_is_there_and_acknowledges_it_in_one_commit(model) -> None:
+    create(model, 8)
+    p = Client(model, "producer", "p")
+    for item in (b"a", b"b", b"c"):
+        assert p.put(item)
+    c = Client(model, "consumer", "c")
+    mark = model.mark()
+    assert c.run(P.get_many(c.state, 10, 0.0, POLICY, model.now)) == [b"a", b"b", b"c"]
+    commits = [op for op in model.ops(since=mark) if isinstance(op, Commit)]
+    ack, pay = commits
+    assert [type(a) for a in ack.actions] == [Ack] * 3 + [Publish] * 2
+    assert not pay.wait and [a.queue for a in pay.actions] == [NAMES.space] * 3 + [NAMES.credited]
+    _run_jobs(model)
+    assert (credits(model), items(model)) == (8, 0)
+    check_bound(model, 8)
+
+
 def test_a_get_is_one_take_and_one_commit(model) -> None:
     create(model, 4)
     Client(model, "producer", "p").put(b"x")

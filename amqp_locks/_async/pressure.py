@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
 from typing import Any, Generic, TypeVar, cast
 
@@ -28,6 +28,7 @@ from .._pressure_common import (
 )
 from ..errors import (
     AcquireTimeoutError,
+    InvalidArgumentError,
     OperationTimeoutError,
     QueueClosedError,
     QueueFullError,
@@ -156,6 +157,23 @@ class Producing:
             assert wait is not None
             raise OperationTimeoutError(self._state.names.name, "put (waiting for room)", wait)
 
+    async def put_many(self, items: Iterable[bytes], timeout: float | None = None) -> None:
+        """Append ``items`` in order, as many per transaction as there is room for; on
+        timeout, OperationTimeoutError's ``done`` says how many (the first ones) were put."""
+        bodies = [P.check_data(item) for item in items]
+        deadline = Deadline(timeout)
+        done = await self._role.run(
+            P.put_many(self._state, bodies, deadline.timeout, time.monotonic)
+        )
+        if done < len(bodies):
+            assert deadline.timeout is not None
+            raise OperationTimeoutError(
+                self._state.names.name,
+                f"put_many of {len(bodies)} items (waiting for room)",
+                deadline.timeout,
+                done=done,
+            )
+
     async def put_nowait(self, data: bytes) -> None:
         """Append ``data`` now, or raise :class:`~amqp_locks.errors.QueueFullError`."""
         body = P.check_data(data)
@@ -240,6 +258,19 @@ class Consuming:
             assert wait is not None
             raise OperationTimeoutError(self._state.names.name, "get (waiting for an item)", wait)
         return item
+
+    async def get_many(self, most: int, timeout: float | None = None) -> list[bytes]:
+        """Up to ``most`` of the oldest items, removed together: waits up to ``timeout`` s for
+        the first, then takes only what is there already."""
+        n = P.check_count(most, "most")
+        if n == 0:
+            raise InvalidArgumentError("most must be at least 1")
+        wait = Deadline(timeout).timeout
+        items = await self._role.run(P.get_many(self._state, n, wait, self._policy, time.monotonic))
+        if not items:
+            assert wait is not None
+            raise OperationTimeoutError(self._state.names.name, "get_many", wait)
+        return items
 
     async def get_nowait(self) -> bytes | None:
         """The oldest item, removed; None when the queue is empty (and still open)."""
@@ -517,6 +548,21 @@ class PressureQueue:
         with deadline.overall():
             async with await self._producing(deadline.left(), "put") as p:
                 await p.put(data, deadline.left())
+
+    async def put_many(self, items: Iterable[bytes], timeout: float | None = None) -> None:
+        """As :meth:`Producing.put_many`, taking the producer role for the batch."""
+        bodies = [P.check_data(item) for item in items]
+        deadline = Deadline(timeout)
+        with deadline.overall():
+            async with await self._producing(deadline.left(), "put_many") as p:
+                await p.put_many(bodies, deadline.left())
+
+    async def get_many(self, most: int, timeout: float | None = None) -> list[bytes]:
+        """As :meth:`Consuming.get_many`, taking the consumer role for the batch."""
+        deadline = Deadline(timeout)
+        with deadline.overall():
+            async with await self._consuming(deadline.left(), "get_many") as c:
+                return await c.get_many(most, deadline.left())
 
     async def put_nowait(self, data: bytes) -> None:
         """Append now; QueueInUseError, QueueFullError or QueueClosedError otherwise."""

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -24,6 +24,7 @@ from .._pressure_common import (
 )
 from ..errors import (
     AcquireTimeoutError,
+    InvalidArgumentError,
     OperationTimeoutError,
     QueueClosedError,
     QueueFullError,
@@ -109,6 +110,26 @@ class Producing:
             assert wait is not None
             raise OperationTimeoutError(self._state.names.name, "put (waiting for room)", wait)
 
+    def put_many(self, items: Iterable[bytes], timeout: float | None = None) -> None:
+        """Append ``items`` in order, as many per transaction as there is room for.
+
+        Much faster than one :meth:`put` per item (one round trip per batch). Waits up to
+        ``timeout`` s in all while the queue is full; then
+        :class:`~amqp_locks.errors.OperationTimeoutError`, whose ``done`` says how many of
+        the items (the first ones) were put.
+        """
+        bodies = [P.check_data(item) for item in items]
+        deadline = Deadline(timeout)
+        done = self._role.run(P.put_many(self._state, bodies, deadline.timeout, time.monotonic))
+        if done < len(bodies):
+            assert deadline.timeout is not None
+            raise OperationTimeoutError(
+                self._state.names.name,
+                f"put_many of {len(bodies)} items (waiting for room)",
+                deadline.timeout,
+                done=done,
+            )
+
     def put_nowait(self, data: bytes) -> None:
         """Append ``data`` now, or raise :class:`~amqp_locks.errors.QueueFullError`."""
         body = P.check_data(data)
@@ -192,6 +213,23 @@ class Consuming:
             assert wait is not None
             raise OperationTimeoutError(self._state.names.name, "get (waiting for an item)", wait)
         return item
+
+    def get_many(self, most: int, timeout: float | None = None) -> list[bytes]:
+        """Up to ``most`` of the oldest items, removed together (one transaction).
+
+        Waits up to ``timeout`` s for the first item, then takes only the items already there.
+        Raises QueueClosedError once closed and drained, OperationTimeoutError if nothing
+        came in time.
+        """
+        n = P.check_count(most, "most")
+        if n == 0:
+            raise InvalidArgumentError("most must be at least 1")
+        wait = Deadline(timeout).timeout
+        items = self._role.run(P.get_many(self._state, n, wait, self._policy, time.monotonic))
+        if not items:
+            assert wait is not None
+            raise OperationTimeoutError(self._state.names.name, "get_many", wait)
+        return items
 
     def get_nowait(self) -> bytes | None:
         """The oldest item, removed; None when the queue is empty (and still open)."""
@@ -451,6 +489,19 @@ class PressureQueue:
         deadline = Deadline(timeout)
         with deadline.overall(), self._producing(deadline.left(), "put") as p:
             p.put(data, deadline.left())
+
+    def put_many(self, items: Iterable[bytes], timeout: float | None = None) -> None:
+        """As :meth:`Producing.put_many`, taking the producer role for the batch."""
+        bodies = [P.check_data(item) for item in items]
+        deadline = Deadline(timeout)
+        with deadline.overall(), self._producing(deadline.left(), "put_many") as p:
+            p.put_many(bodies, deadline.left())
+
+    def get_many(self, most: int, timeout: float | None = None) -> list[bytes]:
+        """As :meth:`Consuming.get_many`, taking the consumer role for the batch."""
+        deadline = Deadline(timeout)
+        with deadline.overall(), self._consuming(deadline.left(), "get_many") as c:
+            return c.get_many(most, deadline.left())
 
     def put_nowait(self, data: bytes) -> None:
         """Append now; QueueInUseError, QueueFullError or QueueClosedError otherwise."""
