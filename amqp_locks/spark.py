@@ -722,9 +722,19 @@ class Pipe:
         return written
 
     def _turn(self, queue: PressureQueue, bodies: list[bytes], task: str, first: int) -> None:
+        # One transaction per batch of room rather than one per row (put_many).
         with self._take_role(queue, task) as producing:
-            for offset, body in enumerate(bodies):
-                self._put(producing, body, task, first + offset)
+            try:
+                producing.put_many(bodies, timeout=self.put_timeout)
+            except errors.OperationTimeoutError as exc:
+                assert self.put_timeout is not None
+                raise errors.OperationTimeoutError(
+                    self.name,
+                    f"{task}: put of rows {first + exc.done}.. (waiting for room: is a reader "
+                    "draining the pipe?)",
+                    self.put_timeout,
+                    done=exc.done,
+                ) from None
 
     def _take_role(self, queue: PressureQueue, task: str) -> Producing:
         try:
