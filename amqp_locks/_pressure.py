@@ -425,6 +425,10 @@ class Take:
     queue: str
     wait: float | None
     stream: bool = False
+    #: If the flow is aborted with the delivery in hand, give it back by closing the session
+    #: (a quorum queue requeues a rejected message at its tail, a closed channel's at its
+    #: head); else by a reject, which keeps the session.
+    close_to_give_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -884,39 +888,38 @@ def start_consumer(names: PressureNames, holder_id: str, policy: Policy) -> Flow
             consumer.payer = yield from _open(names)
             consumer.credited = credited
             # Credits of items acknowledged by a consumer that died before giving them back.
-            owed = record.messages + record.dead - credited.paid
-            if owed > 0:
-                yield from _return_credit(consumer, owed, wait=True)
+            yield from _return_credit(consumer, wait=True)
     except AmqpLocksError:
         yield from stop(consumer)
         raise
     return consumer
 
 
-def _return_credit(consumer: Consumer, count: int = 1, *, wait: bool = False) -> Flow[None]:
-    """Give back the credits of items whose acknowledgement was committed.
+def _return_credit(consumer: Consumer, *, wait: bool = False) -> Flow[None]:
+    """Give back the credits of every item whose acknowledgement was committed.
 
     Never in the transaction of the acknowledgement: ``tx.commit`` routes a transaction's
     publishes before it applies its acks, so a producer waiting for the credit could publish
     while the acknowledged item still counts, and the broker would hold bound + 1 items for a
     moment. So credits go out on a second session (the payer), after the acknowledgement's
     Commit-Ok, each with the running total of credits given back (``B:stats:credited``); the
-    consumer record counts the acknowledged items. A consumer that dies in between leaves
-    ``messages + dead - paid`` credits owed, and the next consumer pays them.
+    consumer record counts the acknowledged items. What is owed is always recomputed from the
+    two records, ``messages + dead - paid``: a payment that never went out (the consumer died,
+    or its flow was cut off between the two commits) is made by the next one, or by the next
+    consumer.
 
     The payer's commit is not waited for: the consumer's next get overlaps it (a session
     cannot send anything while its own commit is unanswered).
     """
     names = consumer.names
-    consumer.credited = replace(
-        consumer.credited, v=consumer.credited.v + 1, paid=consumer.credited.paid + count
-    )
-    credits = tuple(Publish(names.space, b"") for _ in range(count))
-    yield Commit(
-        consumer.payer,
-        (*credits, Publish(names.credited, consumer.credited.encode())),
-        wait=wait,
-    )
+    record = consumer.record
+    owed = record.messages + record.dead - consumer.credited.paid
+    if owed <= 0:
+        return
+    paid = replace(consumer.credited, v=consumer.credited.v + 1, paid=consumer.credited.paid + owed)
+    credits = tuple(Publish(names.space, b"") for _ in range(owed))
+    yield Commit(consumer.payer, (*credits, Publish(names.credited, paid.encode())), wait=wait)
+    consumer.credited = paid
 
 
 def _attempts(consumer: Consumer, policy: Policy) -> Flow[Attempts]:
@@ -950,7 +953,7 @@ def take(
     deadline = None if wait is None else clock() + wait
     while True:
         left = None if deadline is None else max(deadline - clock(), 0.0)
-        item = yield Take(consumer.session, names.data, left)
+        item = yield Take(consumer.session, names.data, left, False, consumer.replicated)
         if item is GONE:
             raise QueueDoesNotExistError(names.name)
         if item is None:
@@ -1050,7 +1053,7 @@ def get_many(
     yield Commit(consumer.session, (*acks, *_both(names.consumed, names.consuming, record)))
     consumer.record = record
     if consumer.bounded:
-        yield from _return_credit(consumer, len(taken))
+        yield from _return_credit(consumer)
     return [item.body for item in taken]
 
 
@@ -1065,7 +1068,7 @@ def get(consumer: Consumer, wait: float | None, policy: Policy, clock: Clock) ->
 def peek(consumer: Consumer, policy: Policy) -> Flow[bytes | None]:
     """The oldest item, left in place (None when empty; QueueClosedError once drained)."""
     names = consumer.names
-    item = yield Take(consumer.session, names.data, 0)
+    item = yield Take(consumer.session, names.data, 0, False, consumer.replicated)
     if item is GONE:
         raise QueueDoesNotExistError(names.name)
     if item is None:
@@ -1081,8 +1084,10 @@ def peek(consumer: Consumer, policy: Policy) -> Flow[bytes | None]:
     return item.body
 
 
-def stop(role: Producer | Consumer) -> Flow[None]:
+def stop(role: Producer | Consumer, *, pay: bool = True) -> Flow[None]:
     """Close the role holder's sessions (what they hold goes back; a credit payment in
-    flight is answered first)."""
+    flight is answered first). A consumer first pays any credit still owed (``pay``)."""
+    if pay and isinstance(role, Consumer) and role.bounded and role.payer is not None:
+        yield from _return_credit(role, wait=True)
     for session in reversed(role.sessions):
         yield CloseSession(session)

@@ -989,3 +989,31 @@ def test_batch_arguments_are_checked_before_any_broker_work(make_queue: MakeQueu
     for most in (0, -1, 1.5, True):
         with pytest.raises(errors.InvalidArgumentError):
             q.get_many(most)  # type: ignore[arg-type]
+
+
+def test_an_operation_failing_midway_gives_the_role_up_and_loses_nothing(
+    make_queue: MakeQueue, rabbitmq_url: str
+) -> None:
+    """After a broker timeout or an interruption mid-operation, what the broker did is
+    unknown: the handle gives the role up (its deliveries go back, first in line) instead of
+    going on from a state it cannot trust."""
+    from amqp_locks import _pressure as P
+
+    q = make_queue(bound=3)
+    q.put_many([b"a", b"b"])
+    c = q.consuming(timeout=5)
+
+    def take_then_time_out(consumer: P.Consumer) -> P.Flow[None]:
+        item = yield from P.take(consumer, 0.0, P.Policy(), time.monotonic)
+        assert item is not None and item.body == b"a"
+        raise errors.BrokerTimeoutError("simulated: the commit was never answered")
+
+    with pytest.raises(errors.BrokerTimeoutError):
+        c._role.run(take_then_time_out(c._state))
+    assert not c.held
+    with pytest.raises(errors.LockLostError, match="failed midway"):
+        c.get_nowait()
+    c.release()  # idempotent
+    assert q.get_many(5) == [b"a", b"b"]  # nothing lost, nothing reordered
+    wait_until(lambda: credits(rabbitmq_url, q) == 3)
+    assert q.stats()["consumed_messages"] == 2

@@ -594,6 +594,26 @@ def test_a_consumer_dying_before_it_gave_the_credit_back_leaves_it_owed_to_the_n
     check_bound(model, 2)
 
 
+def test_a_get_cut_off_between_its_two_commits_is_paid_by_the_next_get(model) -> None:
+    """An asyncio cancellation (or any abort) between the ack's commit and the credit's: the
+    same consumer goes on, and its next payment covers both credits (owed is recomputed from
+    the records, never counted in memory ahead of the commit)."""
+    create(model, 2)
+    p = Client(model, "producer", "p")
+    p.put(b"a")
+    p.put(b"b")
+    c = Client(model, "consumer", "c")
+    inter = PressureInterleaver(model)
+    inter.start("get", P.get(c.state, 0.0, POLICY, model.now), "c")
+    inter.step_until("get", lambda op: isinstance(op, Commit) and not op.wait)
+    inter["get"].flow.close()  # cut off: the payer commit is never sent
+    assert (credits(model), items(model), owed(model)) == (0, 1, 1)
+    assert c.get() == b"b"
+    _run_jobs(model)
+    assert (credits(model), items(model), owed(model)) == (2, 0, 0)
+    check_bound(model, 2)
+
+
 def test_a_put_on_a_full_queue_times_out_after_its_wait(model) -> None:
     create(model, 1)
     p = Client(model, "producer", "p")

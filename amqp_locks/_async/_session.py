@@ -216,6 +216,8 @@ class RunState:
         self.sessions: list[_Session] = []
         # Deliveries this run took and has not acknowledged or rejected.
         self.taken: set[tuple[_Session, int]] = set()
+        # Sessions whose deliveries in hand must go back by closing them (quorum queues).
+        self.close_on_abort: set[_Session] = set()
         # A cancellation that arrived during a session RPC: raised once the flow has its result.
         self.deferred: BaseException | None = None
 
@@ -233,9 +235,11 @@ class RunState:
         if deferred is not None:
             raise deferred
 
-    def took(self, session: _Session, result: object) -> None:
+    def took(self, session: _Session, result: object, close: bool = False) -> None:
         if isinstance(result, P.Delivery):
             self.taken.add((session, result.tag))
+            if close:
+                self.close_on_abort.add(session)
 
 
 def handles(op: object) -> bool:
@@ -296,7 +300,7 @@ async def execute(io: _AIO, op: Any, slot: list[aiormq.Channel | None], state: R
         result = await _take_stream(io, session, op, state)
     else:
         result = await _take_once(io, session, op, state)
-    state.took(session, result)
+    state.took(session, result, isinstance(op, P.Take) and op.close_to_give_back)
     return result
 
 
@@ -609,10 +613,16 @@ async def abort(io: _AIO, state: RunState) -> None:
         return
     sessions, state.sessions = state.sessions, []
     taken, state.taken = state.taken, set()
-    await asyncio.shield(_spawn(io, _give_back(io, sessions, taken)))
+    closing, state.close_on_abort = state.close_on_abort, set()
+    await asyncio.shield(_spawn(io, _give_back(io, sessions, taken, closing)))
 
 
-async def _give_back(io: _AIO, opened: list[_Session], taken: set[tuple[_Session, int]]) -> None:
+async def _give_back(
+    io: _AIO,
+    opened: list[_Session],
+    taken: set[tuple[_Session, int]],
+    closing: set[_Session],
+) -> None:
     seconds = io.settings.operation_timeout
     for session in opened:
         await session.close(seconds)  # its deliveries go back with it
@@ -621,6 +631,11 @@ async def _give_back(io: _AIO, opened: list[_Session], taken: set[tuple[_Session
         if session not in opened and not session.closed:
             by_session.setdefault(session, []).append(tag)
     for session, tags in by_session.items():
+        if session in closing:
+            # A quorum queue requeues a rejected message at its tail; a closed channel's
+            # deliveries go back to its head. (The role handle then gives the role up.)
+            await session.close(seconds)
+            continue
         try:
             async with session.lock:
                 for tag in sorted(tags):

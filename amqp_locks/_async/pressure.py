@@ -30,6 +30,7 @@ from ..errors import (
     AcquireTimeoutError,
     InvalidArgumentError,
     OperationTimeoutError,
+    PressureError,
     QueueClosedError,
     QueueFullError,
     QueueInUseError,
@@ -66,39 +67,77 @@ class _Role:
         self.lease = lease
         self.io: _AIO = lease._io
         self.done = False
+        self.broken: str | None = None
+        #: The role holder's protocol state (set by the handle).
+        self.state: Callable[[], Any] = lambda: None
         # One operation at a time: a role's flows update its records in turn.
         self.lock = asyncio.Lock()
 
     async def run(self, flow: P.Flow[T]) -> T:
         async with self.lock:
+            if self.broken is not None:
+                raise role_lost(self.queue._names, self.role, self.broken)
             if self.done:
                 raise RuntimeError(f"this {self.role} handle was released; take the role again")
             if not self.lease.held:
                 raise role_lost(self.queue._names, self.role, self.lease.lost_reason)
-            return await self.queue._run(flow, io=self.io)
+            try:
+                return await self.queue._run(flow, io=self.io)
+            except PressureError:
+                raise  # the protocol's own verdict: the session is in a known state
+            except asyncio.CancelledError:
+                # The driver lets an RPC in flight finish and hands its result to the flow
+                # before raising, so the holder's state is still right; only deliveries in
+                # hand had to go back, which closes their session.
+                if any(getattr(s, "closed", False) for s in self._sessions()):
+                    self._break("an operation on it was cancelled with an item in hand")
+                raise
+            except BaseException as exc:
+                # Timed out or failed midway: what the broker did is unknown, so the holder's
+                # state (records, deliveries in hand) can no longer be trusted.
+                self._break(f"an operation on it failed midway ({type(exc).__name__})")
+                raise
 
-    async def finish(self, session: Callable[[], Any]) -> None:
-        """Close the session, then give the role back. ``session()`` is read under the lock:
-        an operation may replace the session (a quorum queue's put-back does)."""
+    def _sessions(self) -> tuple[Any, ...]:
+        state = self.state()
+        return tuple(state.sessions) if state is not None else ()
+
+    def _break(self, reason: str) -> None:
+        """Give the role up (in the background, whatever cancels us): the sessions'
+        deliveries go back, and the next holder starts from the broker's records."""
+        self.broken = reason
+        _shielded(self._finish_unlocked())
+
+    async def finish(self) -> None:
+        """Close the sessions, then give the role back."""
         if self.done:
             return
         # Shielded: a release cut off by cancellation would keep the role (and whatever the
         # session holds) until the connection closes.
-        await _shielded(self._finish(session))
+        await _shielded(self._finish())
 
-    async def _finish(self, session: Callable[[], Any]) -> None:
+    async def _finish(self) -> None:
         async with self.lock:
-            if self.done:
-                return
-            self.done = True
-            try:
-                if not self.io.dead:
-                    # Before the role goes: whatever the session holds goes back first.
-                    await self.queue._run(P.stop(session()), io=self.io)
-            except Exception:
-                log.debug("could not close the %s session cleanly", self.role, exc_info=True)
-            finally:
-                await self.lease.release()
+            await self._finish_unlocked()
+
+    async def _finish_unlocked(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            if not self.io.dead:
+                # Before the role goes: whatever the session holds goes back first.
+                # (Read now: a put-back on a quorum queue replaces the session.)
+                try:
+                    await self.queue._run(P.stop(self.state()), io=self.io)
+                except Exception:
+                    # Paying an owed credit failed: the next consumer pays it; the sessions
+                    # must close all the same, or their deliveries stay held.
+                    await self.queue._run(P.stop(self.state(), pay=False), io=self.io)
+        except Exception:
+            log.debug("could not close the %s session cleanly", self.role, exc_info=True)
+        finally:
+            await self.lease.release()
 
 
 class _Taking(Generic[H]):
@@ -144,6 +183,7 @@ class Producing:
     def __init__(self, role: _Role, state: P.Producer) -> None:
         self._role = role
         self._state = state
+        role.state = lambda: self._state
 
     async def put(self, data: bytes, timeout: float | None = None) -> None:
         """Append ``data``; waits up to ``timeout`` s (None: forever) while the queue is full.
@@ -206,7 +246,7 @@ class Producing:
 
     async def release(self) -> None:
         """Give the role back. Idempotent; safe under cancellation."""
-        await self._role.finish(lambda: self._state)
+        await self._role.finish()
 
     async def __aenter__(self) -> Producing:
         return self
@@ -241,6 +281,7 @@ class Consuming:
     def __init__(self, role: _Role, state: P.Consumer, policy: P.Policy) -> None:
         self._role = role
         self._state = state
+        role.state = lambda: self._state
         self._policy = policy
 
     async def _take(self, wait: float | None) -> P.Delivery | None:
@@ -321,7 +362,7 @@ class Consuming:
 
     async def release(self) -> None:
         """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        await self._role.finish(lambda: self._state)
+        await self._role.finish()
 
     async def __aenter__(self) -> Consuming:
         return self

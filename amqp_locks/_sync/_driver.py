@@ -336,7 +336,13 @@ class _Run:
         except BaseException as exc:  # the flow's own verdict, passed to the caller
             self._finish(None, exc)
         else:
-            self.io.execute(self, op)
+            try:
+                self.io.execute(self, op)
+            except Exception as exc:
+                # pika refusing a call (a channel in the wrong state, a get already pending):
+                # this run fails; the I/O thread, and every lease it services, must not.
+                log.warning("could not send %r", op, exc_info=True)
+                self.abort(BrokerUnavailableError(f"could not send {type(op).__name__}: {exc!r}"))
 
     def later(self, value: Any) -> None:
         self.io.call_later(0, lambda: self.step(value))

@@ -287,6 +287,9 @@ class _Session:
         done: Callable[[tuple[str, ...]], None],
         fail: Callable[[object], None],
     ) -> None:
+        if self.closed or not self.ch.is_open:
+            fail(self.close_reason)
+            return
         forget = self._failing(fail)
         returned: list[str] = []
         self._commits.append(returned)
@@ -367,8 +370,13 @@ def execute(io: _IO, run: _Run, op: P.Op) -> bool:
 
 def _session_op(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None:
     session: _Session = op.session
-    if isinstance(op, P.Commit) and not op.wait and not session.closed:
-        session.commit_unwaited(op.actions)
+    if isinstance(op, P.Commit) and not op.wait:
+        if session.closed:
+            # Nobody waits for it: what it would have done is left for the records to tell
+            # (a consumer's owed credits are paid by the next one).
+            log.debug("a commit sent without waiting found its session closed")
+        else:
+            session.commit_unwaited(op.actions)
         run.later(())
         return
     if session._deferred:
@@ -386,13 +394,14 @@ def _session_op(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None
 
 def _session_op_now(io: _IO, run: _Run, op: P.Subscribe | P.Take | P.Commit) -> None:
     session: _Session = op.session
-    queue = op.queue if not isinstance(op, P.Commit) else None
 
     def fail(reason: object) -> None:
         if isinstance(op, (P.Take, P.Subscribe)) and _is_not_found(reason):
             run.step(P.GONE)
         else:
-            run.abort(_channel_error(reason, queue))
+            # Not a declare: a 406 here is no argument mismatch (e.g. the broker's
+            # consumer_timeout closing a session that held deliveries for too long).
+            run.abort(_channel_error(reason, None))
 
     if session.closed:
         fail(session.close_reason)

@@ -26,6 +26,7 @@ from ..errors import (
     AcquireTimeoutError,
     InvalidArgumentError,
     OperationTimeoutError,
+    PressureError,
     QueueClosedError,
     QueueFullError,
     QueueInUseError,
@@ -50,32 +51,56 @@ class _Role:
         self.lease = lease
         self.io: _IO = lease._io
         self.done = False
+        self.broken: str | None = None
+        #: The role holder's protocol state (set by the handle).
+        self.state: Callable[[], Any] = lambda: None
         # One operation at a time on a session: each commit carries the record the previous
         # one left, and pika allows one basic.get in flight per channel.
         self.lock = threading.Lock()
 
     def run(self, flow: P.Flow[T]) -> T:
         with self.lock:
+            if self.broken is not None:
+                raise role_lost(self.queue._names, self.role, self.broken)
             if self.done:
                 raise RuntimeError(f"this {self.role} handle was released; take the role again")
             if not self.lease.held:
                 raise role_lost(self.queue._names, self.role, self.lease.lost_reason)
-            return self.queue._run(flow, io=self.io)
-
-    def finish(self, session: Callable[[], Any]) -> None:
-        with self.lock:
-            if self.done:
-                return
-            self.done = True
             try:
-                if not self.io.dead:
-                    # Before the role goes: whatever the session holds goes back first.
-                    # (Read under the lock: a put-back on a quorum queue replaces the session.)
-                    self.queue._run(P.stop(session()), io=self.io)
-            except Exception:
-                log.debug("could not close the %s session cleanly", self.role, exc_info=True)
-            finally:
-                self.lease.release()
+                return self.queue._run(flow, io=self.io)
+            except PressureError:
+                raise  # the protocol's own verdict: the session is in a known state
+            except BaseException as exc:
+                # Interrupted, timed out or failed midway: what the broker did is unknown, so
+                # the holder's state (records, deliveries in hand) can no longer be trusted.
+                # Give the role up: the session's deliveries go back, and the next holder
+                # starts from the broker's records.
+                self.broken = f"an operation on it failed midway ({type(exc).__name__})"
+                self._finish()
+                raise
+
+    def finish(self) -> None:
+        with self.lock:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            if not self.io.dead:
+                # Before the role goes: whatever the session holds goes back first.
+                # (Read now: a put-back on a quorum queue replaces the session.)
+                try:
+                    self.queue._run(P.stop(self.state()), io=self.io, cancellable=False)
+                except Exception:
+                    # Paying an owed credit failed: the next consumer pays it; the sessions
+                    # must close all the same, or their deliveries stay held.
+                    self.queue._run(P.stop(self.state(), pay=False), io=self.io, cancellable=False)
+        except Exception:
+            log.debug("could not close the %s session cleanly", self.role, exc_info=True)
+        finally:
+            self.lease.release()
 
 
 class Producing:
@@ -97,6 +122,7 @@ class Producing:
     def __init__(self, role: _Role, state: P.Producer) -> None:
         self._role = role
         self._state = state
+        role.state = lambda: self._state
 
     def put(self, data: bytes, timeout: float | None = None) -> None:
         """Append ``data``; waits up to ``timeout`` s (None: forever) while the queue is full.
@@ -162,7 +188,7 @@ class Producing:
 
     def release(self) -> None:
         """Give the role back. Idempotent."""
-        self._role.finish(lambda: self._state)
+        self._role.finish()
 
     def __enter__(self) -> Producing:
         return self
@@ -196,6 +222,7 @@ class Consuming:
     def __init__(self, role: _Role, state: P.Consumer, policy: P.Policy) -> None:
         self._role = role
         self._state = state
+        role.state = lambda: self._state
         self._policy = policy
 
     def _take(self, wait: float | None) -> P.Delivery | None:
@@ -273,7 +300,7 @@ class Consuming:
 
     def release(self) -> None:
         """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        self._role.finish(lambda: self._state)
+        self._role.finish()
 
     def __enter__(self) -> Consuming:
         return self
@@ -351,8 +378,8 @@ class PressureQueue:
     def _holder(self) -> str:
         return holder_id(self._client_id, self.connection.client_id)
 
-    def _run(self, flow: P.Flow[T], io: _IO | None = None) -> T:
-        result, _ = self.connection._run(cast(_flows.Flow[T], flow), io=io)
+    def _run(self, flow: P.Flow[T], io: _IO | None = None, *, cancellable: bool = True) -> T:
+        result, _ = self.connection._run(cast(_flows.Flow[T], flow), io=io, cancellable=cancellable)
         return result
 
     # -- state, no role needed --------------------------------------------------------------------
