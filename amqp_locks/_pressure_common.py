@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from .errors import (
     LockLostError,
     OperationTimeoutError,
     QueueDoesNotExistError,
+    QueueFullError,
     SemaphoreNotFoundError,
 )
 
@@ -97,3 +98,129 @@ def check_client_id(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value):
         return value
     raise InvalidArgumentError(f"client_id must be a non-empty str or None, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The operations of the faces, written once: each function checks its arguments at once (no
+# I/O yet) and returns the flow whose result is the public method's result, with "no room" or
+# "no item in time" already turned into the error the method raises. Faces only run them.
+# --------------------------------------------------------------------------------------------
+
+
+def create(
+    names: P.PressureNames,
+    policy: P.Policy,
+    holder: str,
+    bound: object,
+    replicated: object,
+    delivery_limit: object,
+) -> P.Flow[None]:
+    checked_bound = P.check_bound(bound)
+    limit = P.check_limit(delivery_limit)
+    if not isinstance(replicated, bool):
+        raise TypeError(f"replicated must be a bool, got {type(replicated).__name__}")
+    return P.create(
+        names,
+        bound=checked_bound,
+        replicated=replicated,
+        delivery_limit=limit,
+        holder_id=holder,
+        policy=policy,
+    )
+
+
+def read_stats(names: P.PressureNames, policy: P.Policy) -> P.Flow[dict[str, int]]:
+    return stats((yield from P.records(names, policy)))
+
+
+def put(producer: P.Producer, data: object, timeout: object) -> P.Flow[None]:
+    body = P.check_data(data)
+    wait = check_timeout(timeout)
+
+    def flow() -> P.Flow[None]:
+        if not (yield from P.put(producer, body, wait)):
+            assert wait is not None
+            raise OperationTimeoutError(producer.names.name, "put (waiting for room)", wait)
+
+    return flow()
+
+
+def put_nowait(producer: P.Producer, data: object) -> P.Flow[None]:
+    body = P.check_data(data)
+
+    def flow() -> P.Flow[None]:
+        if not (yield from P.put(producer, body, 0.0)):
+            raise QueueFullError(producer.names.name, producer.record.bound)
+
+    return flow()
+
+
+def put_many(producer: P.Producer, items: Iterable[object], timeout: object) -> P.Flow[None]:
+    bodies = [P.check_data(item) for item in items]
+    wait = check_timeout(timeout)
+
+    def flow() -> P.Flow[None]:
+        done = yield from P.put_many(producer, bodies, wait, time.monotonic)
+        if done < len(bodies):
+            assert wait is not None
+            raise OperationTimeoutError(
+                producer.names.name,
+                f"put_many of {len(bodies)} items (waiting for room)",
+                wait,
+                done=done,
+            )
+
+    return flow()
+
+
+def kick(producer: P.Producer, count: object, timeout: object) -> P.Flow[int]:
+    return P.kick(producer, P.check_count(count, "count"), check_timeout(timeout))
+
+
+def take(consumer: P.Consumer, policy: P.Policy, timeout: object, what: str) -> P.Flow[P.Delivery]:
+    """The oldest item, unacknowledged (for ``receive``), or OperationTimeoutError."""
+    wait = check_timeout(timeout)
+
+    def flow() -> P.Flow[P.Delivery]:
+        item = yield from P.take(consumer, wait, policy, time.monotonic)
+        if item is None:
+            assert wait is not None
+            raise OperationTimeoutError(consumer.names.name, what, wait)
+        return item
+
+    return flow()
+
+
+def get(consumer: P.Consumer, policy: P.Policy, timeout: object) -> P.Flow[bytes]:
+    wait = check_timeout(timeout)
+
+    def flow() -> P.Flow[bytes]:
+        item = yield from P.get(consumer, wait, policy, time.monotonic)
+        if item is None:
+            assert wait is not None
+            raise OperationTimeoutError(consumer.names.name, "get (waiting for an item)", wait)
+        return item
+
+    return flow()
+
+
+def get_nowait(consumer: P.Consumer, policy: P.Policy) -> P.Flow[bytes | None]:
+    return P.get(consumer, 0.0, policy, time.monotonic)
+
+
+def get_many(
+    consumer: P.Consumer, policy: P.Policy, most: object, timeout: object
+) -> P.Flow[list[bytes]]:
+    n = P.check_count(most, "most")
+    if n == 0:
+        raise InvalidArgumentError("most must be at least 1")
+    wait = check_timeout(timeout)
+
+    def flow() -> P.Flow[list[bytes]]:
+        items = yield from P.get_many(consumer, n, wait, policy, time.monotonic)
+        if not items:
+            assert wait is not None
+            raise OperationTimeoutError(consumer.names.name, "get_many", wait)
+        return items
+
+    return flow()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .. import _flows
 from .. import _pressure as P
+from .. import _pressure_common as C
 from .._common import adopt_connection
 from .._pressure_common import (
     Deadline,
@@ -20,15 +20,11 @@ from .._pressure_common import (
     resolve_prefix,
     role_error,
     role_lost,
-    stats,
 )
 from ..errors import (
     AcquireTimeoutError,
-    InvalidArgumentError,
-    OperationTimeoutError,
     PressureError,
     QueueClosedError,
-    QueueFullError,
     QueueInUseError,
     SemaphoreNotFoundError,
 )
@@ -130,11 +126,7 @@ class Producing:
         Raises :class:`~amqp_locks.errors.OperationTimeoutError` if no room came in time
         (nothing was put), :class:`~amqp_locks.errors.QueueClosedError` after close.
         """
-        body = P.check_data(data)
-        wait = Deadline(timeout).timeout
-        if not self._role.run(P.put(self._state, body, wait)):
-            assert wait is not None
-            raise OperationTimeoutError(self._state.names.name, "put (waiting for room)", wait)
+        self._role.run(C.put(self._state, data, timeout))
 
     def put_many(self, items: Iterable[bytes], timeout: float | None = None) -> None:
         """Append ``items`` in order, as many per transaction as there is room for.
@@ -144,23 +136,11 @@ class Producing:
         :class:`~amqp_locks.errors.OperationTimeoutError`, whose ``done`` says how many of
         the items (the first ones) were put.
         """
-        bodies = [P.check_data(item) for item in items]
-        deadline = Deadline(timeout)
-        done = self._role.run(P.put_many(self._state, bodies, deadline.timeout, time.monotonic))
-        if done < len(bodies):
-            assert deadline.timeout is not None
-            raise OperationTimeoutError(
-                self._state.names.name,
-                f"put_many of {len(bodies)} items (waiting for room)",
-                deadline.timeout,
-                done=done,
-            )
+        self._role.run(C.put_many(self._state, items, timeout))
 
     def put_nowait(self, data: bytes) -> None:
         """Append ``data`` now, or raise :class:`~amqp_locks.errors.QueueFullError`."""
-        body = P.check_data(data)
-        if not self._role.run(P.put(self._state, body, 0.0)):
-            raise QueueFullError(self._state.names.name, self._state.record.bound)
+        self._role.run(C.put_nowait(self._state, data))
 
     def close(self) -> None:
         """Close the queue: consumers drain what was put, then get QueueClosedError."""
@@ -172,9 +152,7 @@ class Producing:
         Waits up to ``timeout`` s for room for each (bounded queues); stops early when the
         dead-letter queue is empty or no room came in time.
         """
-        n = P.check_count(count, "count")
-        wait = Deadline(timeout).timeout
-        return self._role.run(P.kick(self._state, n, wait))
+        return self._role.run(C.kick(self._state, count, timeout))
 
     @property
     def bound(self) -> int:
@@ -225,21 +203,13 @@ class Consuming:
         role.state = lambda: self._state
         self._policy = policy
 
-    def _take(self, wait: float | None) -> P.Delivery | None:
-        return self._role.run(P.take(self._state, wait, self._policy, time.monotonic))
-
     def get(self, timeout: float | None = None) -> bytes:
         """Remove and return the oldest item, waiting up to ``timeout`` s for one.
 
         Raises :class:`~amqp_locks.errors.QueueClosedError` once the queue is closed and
         drained, :class:`~amqp_locks.errors.OperationTimeoutError` if nothing came in time.
         """
-        wait = Deadline(timeout).timeout
-        item = self._role.run(P.get(self._state, wait, self._policy, time.monotonic))
-        if item is None:
-            assert wait is not None
-            raise OperationTimeoutError(self._state.names.name, "get (waiting for an item)", wait)
-        return item
+        return self._role.run(C.get(self._state, self._policy, timeout))
 
     def get_many(self, most: int, timeout: float | None = None) -> list[bytes]:
         """Up to ``most`` of the oldest items, removed together (one transaction).
@@ -248,19 +218,11 @@ class Consuming:
         Raises QueueClosedError once closed and drained, OperationTimeoutError if nothing
         came in time.
         """
-        n = P.check_count(most, "most")
-        if n == 0:
-            raise InvalidArgumentError("most must be at least 1")
-        wait = Deadline(timeout).timeout
-        items = self._role.run(P.get_many(self._state, n, wait, self._policy, time.monotonic))
-        if not items:
-            assert wait is not None
-            raise OperationTimeoutError(self._state.names.name, "get_many", wait)
-        return items
+        return self._role.run(C.get_many(self._state, self._policy, most, timeout))
 
     def get_nowait(self) -> bytes | None:
         """The oldest item, removed; None when the queue is empty (and still open)."""
-        return self._role.run(P.get(self._state, 0.0, self._policy, time.monotonic))
+        return self._role.run(C.get_nowait(self._state, self._policy))
 
     @contextlib.contextmanager
     def receive(self, timeout: float | None = None) -> Iterator[bytes]:
@@ -269,11 +231,7 @@ class Consuming:
         Put back (an exception in the block, or this process dying) means first in line
         again, and one more delivery counted against the queue's ``delivery_limit``.
         """
-        wait = Deadline(timeout).timeout
-        item = self._take(wait)
-        if item is None:
-            assert wait is not None
-            raise OperationTimeoutError(self._state.names.name, "receive", wait)
+        item = self._role.run(C.take(self._state, self._policy, timeout, "receive"))
         try:
             yield item.body
         except BaseException:
@@ -394,19 +352,8 @@ class PressureQueue:
         consumers died or raised in ``receive``) goes to the dead-letter queue on its next
         delivery (see :meth:`kick`). Raises QueueAlreadyExistsError if the queue exists.
         """
-        b = P.check_bound(bound)
-        limit = P.check_limit(delivery_limit)
-        if not isinstance(replicated, bool):
-            raise TypeError(f"replicated must be a bool, got {type(replicated).__name__}")
         self._run(
-            P.create(
-                self._names,
-                bound=b,
-                replicated=replicated,
-                delivery_limit=limit,
-                holder_id=self._holder(),
-                policy=self._policy,
-            )
+            C.create(self._names, self._policy, self._holder(), bound, replicated, delivery_limit)
         )
 
     def exists(self) -> bool:
@@ -421,7 +368,7 @@ class PressureQueue:
 
     def stats(self) -> dict[str, int]:
         """``produced_messages``, ``produced_bytes``, ``consumed_messages``, ``consumed_bytes``."""
-        return stats(self._run(P.records(self._names, self._policy)))
+        return self._run(C.read_stats(self._names, self._policy))
 
     def producer_id(self) -> str | None:
         """Who holds the producer role, or last held it (None if nobody ever did)."""
