@@ -11,8 +11,6 @@ Intervals from different processes are compared on ``time.time()`` of one machin
 from __future__ import annotations
 
 import contextlib
-import json
-import multiprocessing
 import os
 import random
 import signal
@@ -20,73 +18,20 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import _workers
 import pytest
+from processes import SPAWN, children, join_all, read_json, start, wait_paths
 
 from amqp_locks import Connection, Lease, Semaphore, SemaphoreAdmin, errors
-
-SPAWN = multiprocessing.get_context("spawn")
-
 
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def children() -> Iterator[list[Any]]:
-    """A list to append started processes to; all are killed and reaped on exit."""
-    procs: list[Any] = []
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.pid is not None and proc.exitcode is None:
-                # Not reaped yet, so the pid is still ours. A stopped child needs SIGCONT to die
-                # promptly of anything but SIGKILL; SIGKILL works either way.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-        for proc in procs:
-            if proc.pid is not None:
-                proc.join(10)
-
-
-def start(procs: list[Any], target: Callable[..., None], *args: Any) -> Any:
-    proc = SPAWN.Process(target=target, args=args, daemon=True)
-    proc.start()
-    procs.append(proc)
-    return proc
-
-
-def join_all(procs: list[Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [proc.pid for proc in procs if proc.exitcode is None]
-    assert not hung, f"child processes {hung} still running after {timeout} s"
-
-
-def read_json(path: Path) -> Any:
-    assert path.exists(), f"worker wrote no report {path.name}"
-    return json.loads(path.read_text())
-
-
-def wait_paths(paths: list[Path], timeout: float, procs: Sequence[Any] = ()) -> None:
-    """Wait until every path in ``paths`` exists; fail early if a worker died first."""
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        dead = [p.pid for p in procs if p.exitcode is not None]
-        if dead and not all(p.exists() for p in paths):
-            reports = {f.name: f.read_text()[:3000] for f in paths[0].parent.glob("*.json")}
-            pytest.fail(f"workers {dead} exited before getting ready; reports: {reports}")
-        assert time.monotonic() < deadline, "workers did not get ready in time"
-        time.sleep(0.02)
 
 
 def poll_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
