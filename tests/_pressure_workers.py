@@ -10,12 +10,11 @@ Items are ``item-<n>`` (n from 0), so the parent can check order, gaps and dupli
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import traceback
-from pathlib import Path
 from typing import Any
+
+from _workers import _error, touch, write_json
 
 from amqp_locks import PressureQueue, errors
 
@@ -33,18 +32,6 @@ __all__ = [
 ]
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def touch(path: str | Path) -> None:
-    write_json(path, {"pid": os.getpid(), "t": time.time()})
-
-
 def item(n: int) -> bytes:
     return b"item-%d" % n
 
@@ -52,14 +39,6 @@ def item(n: int) -> bytes:
 def number(data: bytes) -> int:
     assert data.startswith(b"item-"), data
     return int(data[5:])
-
-
-def _error(exc: BaseException) -> dict[str, str]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
 
 
 def _queue(url: str, prefix: str, name: str, client_id: str | None = None) -> PressureQueue:
