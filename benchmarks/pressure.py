@@ -43,15 +43,14 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from multiprocessing.context import SpawnContext
 from typing import Any
 
 import pika
+from _common import broker, percentile, progress, version_of
 
 import amqp_locks
 from amqp_locks import PressureQueue
-from amqp_locks.broker import LocalBroker
 
 log = logging.getLogger("bench")
 
@@ -180,11 +179,11 @@ def pair(
             raise RuntimeError(f"a benchmark worker failed (exit code {p.exitcode})")
     first = min(results["producer"][0], results["consumer"][0])
     elapsed = results["consumer"][1] - first
-    lat = sorted(results["consumer"][2])
+    lat = results["consumer"][2]
     return {
         "msgs_per_s": n / elapsed,
         "latency_median_ms": statistics.median(lat),
-        "latency_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "latency_p99_ms": percentile(lat, 99),
     }
 
 
@@ -220,13 +219,6 @@ def round_pressure(ctx: SpawnContext, url: str, n: int, mode: str) -> dict[str, 
 
 
 # -- report ------------------------------------------------------------------------------------
-
-
-def version_of(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "?"
 
 
 def format_table(rows: dict[str, dict[str, float]], ratio: float) -> str:
@@ -266,13 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.quick:
         args.items, args.oneshot_items, args.rounds = 500, 100, 1
-    url = args.url or os.environ.get("AMQP_URL")
-    broker: LocalBroker | None = None
-    source = "--url" if args.url else "$AMQP_URL" if url else "private LocalBroker"
-    if url is None:
-        broker = LocalBroker()
-        broker.start()
-        url = broker.url
     ctx = multiprocessing.get_context("spawn")
     runs: dict[str, list[dict[str, float]]] = {
         "raw_pika": [],
@@ -280,16 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pressure_batch32": [],
         "pressure_oneshot": [],
     }
-    try:
+    with broker(args.url) as (url, source):
         for r in range(args.rounds):
-            print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            progress(f"round {r + 1}/{args.rounds}")
             runs["raw_pika"].append(round_raw(ctx, url, args.items))
             runs["pressure"].append(round_pressure(ctx, url, args.items, "held"))
             runs["pressure_batch32"].append(round_pressure(ctx, url, args.items, "batch"))
             runs["pressure_oneshot"].append(round_pressure(ctx, url, args.oneshot_items, "oneshot"))
-    finally:
-        if broker is not None:
-            broker.stop()
     rows = {variant: median_of(rounds) for variant, rounds in runs.items()}
     ratio = rows["pressure"]["msgs_per_s"] / rows["raw_pika"]["msgs_per_s"]
     print(format_table(rows, ratio))

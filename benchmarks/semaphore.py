@@ -43,10 +43,8 @@ import secrets
 import statistics
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue as MPQueue
@@ -55,11 +53,11 @@ from multiprocessing.synchronize import Barrier as MPBarrier
 from typing import Any
 
 import pika
+from _common import broker, percentile, progress, summary, version_of
 
 import amqp_locks
-from amqp_locks import Semaphore, SemaphoreAdmin
+from amqp_locks import Semaphore, SemaphoreAdmin, redact_url
 from amqp_locks.aio import Semaphore as ASemaphore
-from amqp_locks.broker import LocalBroker
 
 log = logging.getLogger("bench")
 
@@ -126,26 +124,6 @@ QUICK_SIZES = Sizes(
 # ---------------------------------------------------------------------------------------------
 # Statistics
 # ---------------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile (``pct`` in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def summary(values: Sequence[float]) -> dict[str, float | int]:
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "mean": statistics.fmean(values),
-        "p10": percentile(values, 10),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "min": min(values),
-        "max": max(values),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,21 +346,6 @@ def run_handoff(url: str, name: str, namespace: str, sizes: Sizes) -> HandoffRes
 # ---------------------------------------------------------------------------------------------
 
 
-def version_of(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def redact(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
 def environment(url: str, source: str, connection: Any) -> dict[str, Any]:
     server: dict[str, Any] = {}
     with contextlib.suppress(Exception):
@@ -400,7 +363,7 @@ def environment(url: str, source: str, connection: Any) -> dict[str, Any]:
         "rabbitmq": text(server.get("version")),
         "erlang": text(server.get("platform")),
         "broker": source,
-        "url": redact(url),
+        "url": redact_url(url),
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
@@ -504,10 +467,6 @@ def sizes_from(args: argparse.Namespace) -> Sizes:
         if value is not None
     }
     return Sizes(**{**asdict(base), **overrides})
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run(url: str, source: str, sizes: Sizes) -> dict[str, Any]:
@@ -650,15 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sizes = sizes_from(args)
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if args.url:
-            url, source = args.url, "--url"
-        elif os.environ.get("AMQP_URL"):
-            url, source = os.environ["AMQP_URL"], "$AMQP_URL"
-        else:
-            progress("starting a private RabbitMQ node (LocalBroker)")
-            broker = stack.enter_context(LocalBroker())  # stopped when the stack unwinds
-            url, source = broker.url, "private LocalBroker"
+    with broker(args.url) as (url, source):
         result = run(url, source, sizes)
     result["total_seconds"] = time.monotonic() - started
 

@@ -42,39 +42,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from importlib import metadata
 from typing import Any
 
 import pika
+from _common import broker, percentile, progress, summary, version_of
 
 import amqp_locks
 from amqp_locks import SemaphoreAdmin, redact_url
-from amqp_locks.broker import LocalBroker
 from amqp_locks.spark import Throttle
 
 log = logging.getLogger("bench")
 
 TARGET_OVERHEAD_MS = 10.0
 ROWS_PER_TASK = 100
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    ordered = sorted(values)
-    index = max(0, min(len(ordered) - 1, round(pct / 100 * len(ordered)) - 1))
-    return ordered[index]
-
-
-def summary(values: Sequence[float]) -> dict[str, float | int]:
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "mean": statistics.fmean(values),
-        "p10": percentile(values, 10),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "min": min(values),
-        "max": max(values),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,13 +82,6 @@ def timed(
 # ---------------------------------------------------------------------------------------------
 # Environment and reporting
 # ---------------------------------------------------------------------------------------------
-
-
-def version_of(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def java_version() -> str | None:
@@ -161,10 +134,6 @@ def format_table(metrics: dict[str, float], passed: bool) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,15 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if args.url:
-            url, source = args.url, "--url"
-        elif os.environ.get("AMQP_URL"):
-            url, source = os.environ["AMQP_URL"], "$AMQP_URL"
-        else:
-            progress("starting a private RabbitMQ node (LocalBroker)")
-            broker = stack.enter_context(LocalBroker())  # stopped when the stack unwinds
-            url, source = broker.url, "private LocalBroker"
+    with broker(args.url) as (url, source):
         result = run(url, source, args)
     result["total_seconds"] = time.monotonic() - started
 
