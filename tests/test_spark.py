@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ pyspark = pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from spark_support import local_session  # noqa: E402
 
 import amqp_locks.spark  # noqa: E402
 from amqp_locks import Semaphore, SemaphoreAdmin  # noqa: E402
@@ -38,43 +38,13 @@ PARALLELISM = 4
 
 @pytest.fixture(scope="module")
 def spark(rabbitmq_url: str) -> Iterator[SparkSession]:
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        message = "PySpark needs Java (as root: apt-get install -y default-jre-headless)"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(message + " ($CI is set: refusing to skip)", pytrace=False)
-        pytest.skip(message)
-    # Workers must run this interpreter: it is the one with amqp_locks installed.
-    env = {
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
+    conf = {
+        "spark.task.maxFailures": "1",
+        "spark.sql.shuffle.partitions": str(PARALLELISM),
+        URL_CONF_KEY: rabbitmq_url,
     }
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    session = (
-        SparkSession.builder.master(f"local[{PARALLELISM}]")
-        .appName("amqp_locks-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.python.worker.reuse", "true")
-        .config("spark.task.maxFailures", "1")
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
-        .config("spark.sql.shuffle.partitions", str(PARALLELISM))
-        .config(URL_CONF_KEY, rabbitmq_url)
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    try:
+    with local_session(f"local[{PARALLELISM}]", "amqp_locks-tests", conf) as session:
         yield session
-    finally:
-        session.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import pickle
-import shutil
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 from helpers import declared_queues
+from spark_support import FakeConf, local_session
 
 import amqp_locks.spark
 from amqp_locks import errors
@@ -48,16 +48,6 @@ BAD_URL = "amqp://guest:guest@127.0.0.1:1/%2F"
 PARALLELISM = 4
 
 MakePipe = Callable[..., Pipe]
-
-
-class FakeConf:
-    """Stands in for a SparkConf (``get(key, default)``)."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def get(self, key: str, default: str | None = None) -> str | None:
-        return self.values.get(key, default)
 
 
 @pytest.fixture
@@ -411,48 +401,19 @@ def test_a_missing_pipe_fails_the_writer_clearly(make_pipe: MakePipe) -> None:
 @pytest.fixture(scope="module")
 def spark(rabbitmq_url: str) -> Iterator[Any]:
     pytest.importorskip("pyspark")
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        message = "PySpark needs Java (as root: apt-get install -y default-jre-headless)"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(message + " ($CI is set: refusing to skip)", pytrace=False)
-        pytest.skip(message)
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
 
     # The partition functions below run in Spark's Python workers, which cannot import this
     # test module: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    env = {
-        "PYSPARK_PYTHON": sys.executable,
-        "PYSPARK_DRIVER_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
+    conf = {
+        "spark.sql.shuffle.partitions": str(PARALLELISM),
+        "spark.sql.session.timeZone": "UTC",
+        URL_CONF_KEY: rabbitmq_url,
     }
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    session = (
-        SparkSession.builder.master(f"local[{PARALLELISM},2]")  # 2 attempts per task
-        .appName("amqp_locks-pipe-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.python.worker.reuse", "true")
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
-        .config("spark.sql.shuffle.partitions", str(PARALLELISM))
-        .config("spark.sql.session.timeZone", "UTC")
-        .config(URL_CONF_KEY, rabbitmq_url)
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    try:
+    # local[N,2]: two attempts per task, so a failing first attempt is retried.
+    with local_session(f"local[{PARALLELISM},2]", "amqp_locks-pipe-tests", conf) as session:
         yield session
-    finally:
-        session.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def job_error(excinfo: pytest.ExceptionInfo[BaseException]) -> str:

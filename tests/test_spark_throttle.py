@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from spark_support import FakeConf
 
 import amqp_locks.spark
 from amqp_locks import SemaphoreAdmin, errors
@@ -30,16 +31,6 @@ URL = "amqp://user:s3cret@broker.example:5672/%2F"
 
 def count_rows(rows: Iterator[int]) -> Iterator[int]:
     yield sum(1 for _ in rows)
-
-
-class FakeConf:
-    """Stands in for a SparkConf (``get(key, default)``)."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def get(self, key: str, default: str | None = None) -> str | None:
-        return self.values.get(key, default)
 
 
 @pytest.fixture
