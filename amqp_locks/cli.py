@@ -1049,24 +1049,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------- parser
 
 
-def _count(text: str) -> int:
+def _whole(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    return _whole(text, 1, "at least 1")
 
 
 def _bound(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (unbounded) or more, got {value}")
-    return value
+    return _whole(text, 0, "0 (unbounded) or more")
 
 
 def _seconds(text: str) -> float:
