@@ -243,8 +243,15 @@ RECORD_ARGUMENTS: dict[str, Any] = {"x-max-length": 1}
 BOUND_ARGUMENTS: dict[str, Any] = {"x-max-length": 0}
 
 
+class _Record:
+    """A record's wire form: its fields as a compact JSON object (see docs/pressure.md)."""
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()
+
+
 @dataclass(frozen=True)
-class ProducerRecord:
+class ProducerRecord(_Record):
     v: int = 0
     id: str | None = None
     messages: int = 0
@@ -253,50 +260,38 @@ class ProducerRecord:
     bound: int = 0
     replicated: bool = False
 
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
-
     def put(self, size: int) -> ProducerRecord:
         return replace(self, v=self.v + 1, messages=self.messages + 1, nbytes=self.nbytes + size)
 
 
 @dataclass(frozen=True)
-class ConsumerRecord:
+class ConsumerRecord(_Record):
     v: int = 0
     id: str | None = None
     messages: int = 0
     nbytes: int = 0
     dead: int = 0
 
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
-
     def got(self, size: int) -> ConsumerRecord:
         return replace(self, v=self.v + 1, messages=self.messages + 1, nbytes=self.nbytes + size)
 
 
 @dataclass(frozen=True)
-class CreditRecord:
+class CreditRecord(_Record):
     """Credits the consumers gave back in all (see :func:`_return_credit`)."""
 
     v: int = 0
     paid: int = 0
 
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
-
 
 @dataclass(frozen=True)
-class Attempts:
+class Attempts(_Record):
     """Deliveries counted so far of ``message`` (the item at the head), and the limit."""
 
     v: int = 0
     limit: int | None = None
     message: str | None = None
     deliveries: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
 
     def counting(self, message: str | None, deliveries: int) -> Attempts:
         return replace(self, v=self.v + 1, message=message, deliveries=deliveries)
