@@ -89,3 +89,31 @@ def declared_queues(url: str, queues: Iterable[str]) -> dict[str, tuple[int, int
         return found
     finally:
         conn.close()
+
+
+def queue_info(url: str, queue: str) -> tuple[int, int]:
+    """(ready messages, consumers) of ``queue``, by a passive declare over pika."""
+    info = declared_queues(url, [queue]).get(queue)
+    assert info is not None, f"{queue} missing (or exclusive to another connection)"
+    return info
+
+
+def credits(url: str, base: str) -> int:
+    """Ready credits in the credit queue of the pressure queue ``base``."""
+    return queue_info(url, f"{base}:space")[0]
+
+
+def assert_pressure_gone(url: str, base: str) -> None:
+    """No queue of the pressure queue ``base`` is left on the broker."""
+    left = existing_queues(url, pressure_queues(base))
+    assert not left, f"queues left on the broker: {sorted(left)}"
+
+
+def expected_stats(produced: list[bytes], consumed: list[bytes]) -> dict[str, int]:
+    """``PressureQueue.stats()`` after putting ``produced`` and taking ``consumed``."""
+    return {
+        "produced_messages": len(produced),
+        "produced_bytes": sum(map(len, produced)),
+        "consumed_messages": len(consumed),
+        "consumed_bytes": sum(map(len, consumed)),
+    }

@@ -19,7 +19,13 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from helpers import declared_queues, existing_queues, pressure_queues
+from helpers import (
+    assert_pressure_gone,
+    credits,
+    declared_queues,
+    expected_stats,
+    pressure_queues,
+)
 
 from amqp_locks import PressureQueue, Producing, errors
 from amqp_locks._pressure import MAX_BOUND
@@ -55,22 +61,6 @@ def make_queue(rabbitmq_url: str, amqp_namespace: str) -> Iterator[MakeQueue]:
         q.disconnect()
 
 
-def stats(produced: list[bytes], consumed: list[bytes]) -> dict[str, int]:
-    return {
-        "produced_messages": len(produced),
-        "produced_bytes": sum(map(len, produced)),
-        "consumed_messages": len(consumed),
-        "consumed_bytes": sum(map(len, consumed)),
-    }
-
-
-def credits(url: str, q: PressureQueue) -> int:
-    """Ready credits in the queue's credit queue (passive declare)."""
-    info = declared_queues(url, [f"{q.base}:space"])[f"{q.base}:space"]
-    assert info is not None
-    return info[0]
-
-
 def data_consumers(url: str, q: PressureQueue, suffix: str = "") -> int:
     info = declared_queues(url, [q.base + suffix])[q.base + suffix]
     assert info is not None
@@ -82,11 +72,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
-
-
-def assert_gone(url: str, q: PressureQueue) -> None:
-    left = existing_queues(url, pressure_queues(q.base))
-    assert not left, f"queues left on the broker: {sorted(left)}"
 
 
 class Background:
@@ -129,7 +114,7 @@ def test_create_and_initial_state(make_queue: MakeQueue, rabbitmq_url: str, boun
     assert q.exists() is True
     assert q.length() == 0
     assert q.closed() is False
-    assert q.stats() == stats([], [])
+    assert q.stats() == expected_stats([], [])
     assert q.producer_id() is None
     assert q.consumer_id() is None
     assert q.bound() == bound
@@ -151,7 +136,7 @@ def test_create_and_initial_state(make_queue: MakeQueue, rabbitmq_url: str, boun
     with pytest.raises(errors.QueueAlreadyExistsError):
         make_queue().create(bound + 1)
     assert q.bound() == bound  # the failed creates changed nothing
-    assert q.stats() == stats([], [])
+    assert q.stats() == expected_stats([], [])
 
 
 def test_exists_is_seen_from_other_connections(make_queue: MakeQueue) -> None:
@@ -200,15 +185,15 @@ def test_put_get_fifo_and_exact_stats(make_queue: MakeQueue, rabbitmq_url: str, 
     q.put(memoryview(b"mv"))
     produced = [*ITEMS, b"ba", b"mv"]
     assert q.length() == len(produced)
-    assert q.stats() == stats(produced, [])
+    assert q.stats() == expected_stats(produced, [])
     if bound:
-        assert credits(rabbitmq_url, q) + q.length() == bound
+        assert credits(rabbitmq_url, q.base) + q.length() == bound
     got = [q.get(), q.get_nowait(), q.get(timeout=5)]
     with q.receive() as item:
         got.append(item)
     assert got == produced[:4]
     assert q.length() == len(produced) - 4
-    assert q.stats() == stats(produced, got)
+    assert q.stats() == expected_stats(produced, got)
     with q.consuming() as c:
         got += [c.get(), c.get_nowait()]
         with c.receive(timeout=5) as item:
@@ -217,9 +202,9 @@ def test_put_get_fifo_and_exact_stats(make_queue: MakeQueue, rabbitmq_url: str, 
     assert got == produced
     assert q.get_nowait() is None
     assert q.length() == 0
-    assert q.stats() == stats(produced, got)
+    assert q.stats() == expected_stats(produced, got)
     if bound:
-        assert credits(rabbitmq_url, q) == bound  # every credit came back
+        assert credits(rabbitmq_url, q.base) == bound  # every credit came back
 
 
 def test_producing_handle_puts_in_order(make_queue: MakeQueue) -> None:
@@ -254,12 +239,12 @@ def test_put_on_a_full_queue(make_queue: MakeQueue, rabbitmq_url: str) -> None:
     assert isinstance(timed_out.value, TimeoutError)
     # Nothing was put, and the failed puts left the role and every credit in place.
     assert q.length() == 2
-    assert q.stats() == stats([b"1", b"2"], [])
-    assert credits(rabbitmq_url, q) == 0
+    assert q.stats() == expected_stats([b"1", b"2"], [])
+    assert credits(rabbitmq_url, q.base) == 0
     assert q.get() == b"1"
     q.put_nowait(b"3")
     assert [q.get(), q.get()] == [b"2", b"3"]
-    assert q.stats() == stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
+    assert q.stats() == expected_stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
 
 
 def test_put_nowait_while_another_connection_produces(make_queue: MakeQueue) -> None:
@@ -275,7 +260,7 @@ def test_put_nowait_while_another_connection_produces(make_queue: MakeQueue) -> 
         assert isinstance(timed_out.value, TimeoutError)
         with pytest.raises(errors.QueueInUseError):
             a.put_nowait(b"x")  # same connection, other handle: exclusive too
-    assert a.length() == 0 and a.stats() == stats([], [])
+    assert a.length() == 0 and a.stats() == expected_stats([], [])
     b.put_nowait(b"x")
     assert a.get() == b"x"
 
@@ -306,7 +291,7 @@ def test_get_on_an_empty_queue(make_queue: MakeQueue) -> None:
         assert c.get_nowait() is None
         with pytest.raises(errors.OperationTimeoutError):
             c.get(timeout=0.1)
-    assert q.stats() == stats([], [])
+    assert q.stats() == expected_stats([], [])
     q.put(b"x")
     assert q.get(timeout=1) == b"x"
 
@@ -364,7 +349,7 @@ def test_operations_on_a_missing_queue(make_queue: MakeQueue, rabbitmq_url: str)
             operation(q)
         assert time.monotonic() - started < 1.0, f"{what} waited on a missing queue"
     assert q.exists() is False
-    assert_gone(rabbitmq_url, q)  # no operation left anything behind
+    assert_pressure_gone(rabbitmq_url, q.base)  # no operation left anything behind
 
 
 # ------------------------------------------------------------------------------------------
@@ -410,9 +395,9 @@ def test_close_lets_consumers_drain_then_fails(
             get()
         assert time.monotonic() - started < 1.0
     assert q.length() == 0 and q.closed() is True
-    assert q.stats() == stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
+    assert q.stats() == expected_stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
     if bound:
-        assert credits(rabbitmq_url, q) == bound  # the failed puts kept no credit
+        assert credits(rabbitmq_url, q.base) == bound  # the failed puts kept no credit
 
 
 def test_iteration_ends_at_close(make_queue: MakeQueue) -> None:
@@ -455,7 +440,7 @@ def test_bound_above_the_credit_prefetch(make_queue: MakeQueue, rabbitmq_url: st
             p.put_nowait(b"%d" % i)
         with pytest.raises(errors.QueueFullError):
             p.put_nowait(b"over")
-    assert q.length() == bound and credits(rabbitmq_url, q) == 0
+    assert q.length() == bound and credits(rabbitmq_url, q.base) == 0
     assert q.get() == b"0"
     q.put_nowait(b"last")
     with pytest.raises(errors.QueueFullError):
@@ -501,21 +486,21 @@ def test_delete_removes_every_queue_and_create_starts_afresh(
 
     q.delete()
     assert q.exists() is False
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
     with pytest.raises(errors.QueueDoesNotExistError):
         q.delete()
     with pytest.raises(errors.QueueDoesNotExistError):
         q.get_nowait()
 
     q.create(7)
-    assert q.stats() == stats([], [])
+    assert q.stats() == expected_stats([], [])
     assert (q.length(), q.bound(), q.dead_length(), q.closed()) == (0, 7, 0, False)
     assert q.producer_id() is None and q.consumer_id() is None
-    assert credits(rabbitmq_url, q) == 7
+    assert credits(rabbitmq_url, q.base) == 7
     q.put(b"new")
     assert q.get() == b"new"
     q.delete()
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 @pytest.mark.parametrize("role", ["producer", "consumer"])
@@ -540,7 +525,7 @@ def test_delete_waits_for_an_idle_role_holder_then_can_finish(
         q.create(5)
     handle.release()
     q.delete(timeout=5)  # finishes the delete that stopped midway
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 def test_create_after_a_delete_that_stopped_midway(
@@ -552,12 +537,12 @@ def test_create_after_a_delete_that_stopped_midway(
     with holder.consuming(), pytest.raises(errors.OperationTimeoutError):
         q.delete(timeout=0.3)
     q.create(5)  # the holder let go: create rebuilds from what the delete left
-    assert q.stats() == stats([], [])
+    assert q.stats() == expected_stats([], [])
     assert (q.length(), q.bound(), q.consumer_id()) == (0, 5, None)
-    assert credits(rabbitmq_url, q) == 5
+    assert credits(rabbitmq_url, q.base) == 5
     q.put(b"new")
     assert holder.get() == b"new"
-    assert q.stats() == stats([b"new"], [b"new"])
+    assert q.stats() == expected_stats([b"new"], [b"new"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -601,7 +586,7 @@ def test_blocked_get_wakes_when_an_item_arrives(make_queue: MakeQueue, rabbitmq_
     print(f"blocked get woke {latency * 1000:.1f} ms after the put started")
     assert latency < 0.5
     assert data_consumers(rabbitmq_url, q) == 0
-    assert q.stats() == stats([b"item"], [b"item"])
+    assert q.stats() == expected_stats([b"item"], [b"item"])
 
 
 def test_two_producers_serialize(make_queue: MakeQueue) -> None:
@@ -642,21 +627,21 @@ def test_receive_acks_on_success_and_puts_back_on_error(
             assert q.length() == 1  # being received: not waiting in the queue
             raise KeyError(item)
     assert q.length() == 2
-    assert q.stats() == stats([b"first", b"second"], [])
+    assert q.stats() == expected_stats([b"first", b"second"], [])
     if bound:
-        assert credits(rabbitmq_url, q) == 0  # no credit came back for a failed receive
+        assert credits(rabbitmq_url, q.base) == 0  # no credit came back for a failed receive
     with q.receive() as item:
         assert item == b"first"
-    assert q.stats() == stats([b"first", b"second"], [b"first"])
+    assert q.stats() == expected_stats([b"first", b"second"], [b"first"])
     with q.consuming() as c:
         with pytest.raises(RuntimeError), c.receive() as item:
             raise RuntimeError(item)
         with c.receive() as item:
             assert item == b"second"
     assert q.length() == 0
-    assert q.stats() == stats([b"first", b"second"], [b"first", b"second"])
+    assert q.stats() == expected_stats([b"first", b"second"], [b"first", b"second"])
     if bound:
-        assert credits(rabbitmq_url, q) == bound
+        assert credits(rabbitmq_url, q.base) == bound
 
 
 def test_releasing_the_consumer_inside_receive_puts_the_item_back(make_queue: MakeQueue) -> None:
@@ -690,14 +675,14 @@ def test_delivery_limit_dead_letters_and_kick_gives_a_fresh_count(
     assert q.get() == b"next"
     assert q.dead_length() == 1
     assert q.length() == 0
-    assert q.stats() == stats([b"poison", b"next"], [b"next"])
-    assert credits(rabbitmq_url, q) == 4  # a dead item gives its place back
+    assert q.stats() == expected_stats([b"poison", b"next"], [b"next"])
+    assert credits(rabbitmq_url, q.base) == 4  # a dead item gives its place back
 
     q.put(b"tail")
     assert q.kick(5) == 1  # only one was dead
     assert q.dead_length() == 0
     assert q.length() == 2
-    assert credits(rabbitmq_url, q) == 2
+    assert credits(rabbitmq_url, q.base) == 2
     assert q.kick(1) == 0
     assert q.get() == b"tail"
     # Back at the tail with a fresh count: two more deliveries before it is dead again.
@@ -706,12 +691,14 @@ def test_delivery_limit_dead_letters_and_kick_gives_a_fresh_count(
     q.put(b"after")
     assert q.get() == b"after"
     assert q.dead_length() == 1
-    assert q.stats() == stats([b"poison", b"next", b"tail", b"after"], [b"next", b"tail", b"after"])
+    assert q.stats() == expected_stats(
+        [b"poison", b"next", b"tail", b"after"], [b"next", b"tail", b"after"]
+    )
     with q.producing() as p:
         assert p.kick() == 1
     assert q.get() == b"poison"  # acknowledged at last: it leaves for good
     assert q.dead_length() == 0 and q.length() == 0
-    assert credits(rabbitmq_url, q) == 4
+    assert credits(rabbitmq_url, q.base) == 4
 
 
 def test_kick_waits_for_room(make_queue: MakeQueue) -> None:
@@ -750,7 +737,7 @@ def test_peek_is_not_a_delivery(make_queue: MakeQueue) -> None:
     assert q.peek() == b"newer"
     assert q.get_nowait() is None  # its second delivery: dead-lettered
     assert q.dead_length() == 1
-    assert q.stats() == stats([b"oldest", b"newer"], [b"oldest"])
+    assert q.stats() == expected_stats([b"oldest", b"newer"], [b"oldest"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -793,9 +780,9 @@ def test_replicated_queue(make_queue: MakeQueue, rabbitmq_url: str) -> None:
     assert list(q) == [b"3", b"4"]
     with pytest.raises(errors.QueueClosedError):
         q.get()
-    assert q.stats() == stats([b"1", b"2", b"3", b"4"], [b"1", b"2", b"3", b"4"])
+    assert q.stats() == expected_stats([b"1", b"2", b"3", b"4"], [b"1", b"2", b"3", b"4"])
     q.delete()
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 # ------------------------------------------------------------------------------------------
@@ -844,7 +831,7 @@ def test_longest_name_fits(make_queue: MakeQueue, rabbitmq_url: str, amqp_namesp
     q.put(b"x")
     assert q.get() == b"x"
     q.delete()
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 @pytest.mark.parametrize("bound", [-1, 1.5, True, "3", None, MAX_BOUND + 1])
@@ -853,7 +840,7 @@ def test_bad_bound(make_queue: MakeQueue, rabbitmq_url: str, bound: Any) -> None
     with pytest.raises(errors.InvalidArgumentError):
         q.create(bound)
     assert not q.exists()
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 @pytest.mark.parametrize("limit", [0, -1, True, 1.5, "2"])
@@ -864,7 +851,7 @@ def test_bad_delivery_limit(make_queue: MakeQueue, rabbitmq_url: str, limit: Any
     with pytest.raises(TypeError):
         q.create(2, replicated=1)  # type: ignore[arg-type]
     assert not q.exists()
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 BAD_TIMEOUTS = [-1, -0.001, math.nan, "1", True, [1]]
@@ -912,7 +899,7 @@ def test_bad_data_and_timeouts_change_nothing(make_queue: MakeQueue, rabbitmq_ur
     assert q.exists() and not q.closed()
     assert q.stats() == before
     assert q.length() == 1
-    assert credits(rabbitmq_url, q) == 1
+    assert credits(rabbitmq_url, q.base) == 1
     on_broker = declared_queues(rabbitmq_url, pressure_queues(q.base))
     assert not {f"{q.base}:lock", f"{q.base}:producer-1-B", f"{q.base}:consumer-1-B"} & set(
         on_broker
@@ -935,7 +922,7 @@ def test_put_many_get_many_keep_order_bound_and_exact_stats(
     q.put_many(first)
     assert q.length() == 3
     if bound:
-        assert credits(rabbitmq_url, q) == bound - 3
+        assert credits(rabbitmq_url, q.base) == bound - 3
         # More than the room left: the first fits, the time runs out for the rest.
         with pytest.raises(errors.OperationTimeoutError) as caught:
             q.put_many([b"x", b"y", b"z"], timeout=0.3)
@@ -947,9 +934,9 @@ def test_put_many_get_many_keep_order_bound_and_exact_stats(
     assert q.get_many(10, timeout=1) == [first[2], b"x"]  # only what is there, no waiting
     with pytest.raises(errors.OperationTimeoutError):
         q.get_many(3, timeout=0.2)
-    assert q.stats() == stats([*first, b"x"], [*first, b"x"])
+    assert q.stats() == expected_stats([*first, b"x"], [*first, b"x"])
     if bound:
-        wait_until(lambda: credits(rabbitmq_url, q) == bound)  # every credit back
+        wait_until(lambda: credits(rabbitmq_url, q.base) == bound)  # every credit back
 
 
 def test_put_many_blocks_while_full_and_resumes_as_room_frees(
@@ -966,7 +953,7 @@ def test_put_many_blocks_while_full_and_resumes_as_room_frees(
             got += batch
     producer.join(10)
     assert got == items
-    assert credits(rabbitmq_url, q) == 3
+    assert credits(rabbitmq_url, q.base) == 3
 
 
 def test_get_many_stops_at_the_end_marker_and_then_reports_closed(make_queue: MakeQueue) -> None:
@@ -1015,5 +1002,5 @@ def test_an_operation_failing_midway_gives_the_role_up_and_loses_nothing(
         c.get_nowait()
     c.release()  # idempotent
     assert q.get_many(5) == [b"a", b"b"]  # nothing lost, nothing reordered
-    wait_until(lambda: credits(rabbitmq_url, q) == 3)
+    wait_until(lambda: credits(rabbitmq_url, q.base) == 3)
     assert q.stats()["consumed_messages"] == 2

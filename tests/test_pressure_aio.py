@@ -16,7 +16,14 @@ from typing import Any
 
 import pika
 import pytest
-from helpers import declared_queues, existing_queues, pressure_queues
+from helpers import (
+    assert_pressure_gone,
+    credits,
+    declared_queues,
+    expected_stats,
+    pressure_queues,
+    queue_info,
+)
 
 from amqp_locks import errors
 from amqp_locks.aio import Connection, Consuming, PressureQueue, Producing
@@ -52,36 +59,11 @@ async def make_queue(rabbitmq_url: str, amqp_namespace: str) -> AsyncIterator[Ma
                 await q.delete(timeout=10)
 
 
-def stats(produced: list[bytes], consumed: list[bytes]) -> dict[str, int]:
-    return {
-        "produced_messages": len(produced),
-        "produced_bytes": sum(map(len, produced)),
-        "consumed_messages": len(consumed),
-        "consumed_bytes": sum(map(len, consumed)),
-    }
-
-
-def queue_info(url: str, queue: str) -> tuple[int, int]:
-    """(ready messages, consumers) of ``queue``, by a passive declare over pika."""
-    info = declared_queues(url, [queue])[queue]
-    assert info is not None
-    return info
-
-
-def credits(url: str, q: PressureQueue) -> int:
-    return queue_info(url, f"{q.base}:space")[0]
-
-
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(predicate):
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
-
-
-def assert_gone(url: str, q: PressureQueue) -> None:
-    left = existing_queues(url, pressure_queues(q.base))
-    assert not left, f"queues left on the broker: {sorted(left)}"
 
 
 def no_role_held(url: str, q: PressureQueue) -> bool:
@@ -110,7 +92,7 @@ async def test_create_and_initial_state(
     assert await q.exists() is True and await other.exists() is True
     assert await q.length() == 0
     assert await q.closed() is False
-    assert await q.stats() == stats([], [])
+    assert await q.stats() == expected_stats([], [])
     assert await q.producer_id() is None and await q.consumer_id() is None
     assert await q.bound() == bound and await other.bound() == bound
     assert await q.dead_length() == 0
@@ -157,9 +139,9 @@ async def test_put_get_fifo_and_exact_stats(
     await q.put(memoryview(b"mv"))  # type: ignore[arg-type]
     produced = [*ITEMS, b"ba", b"mv"]
     assert await q.length() == len(produced)
-    assert await q.stats() == stats(produced, [])
+    assert await q.stats() == expected_stats(produced, [])
     if bound:
-        assert credits(rabbitmq_url, q) + await q.length() == bound
+        assert credits(rabbitmq_url, q.base) + await q.length() == bound
     got = [await q.get(), await q.get_nowait(), await q.get(timeout=5)]
     async with q.receive() as item:
         got.append(item)
@@ -173,9 +155,9 @@ async def test_put_get_fifo_and_exact_stats(
     assert not c.held
     assert got == produced
     assert await q.get_nowait() is None
-    assert await q.stats() == stats(produced, got)
+    assert await q.stats() == expected_stats(produced, got)
     if bound:
-        assert credits(rabbitmq_url, q) == bound  # every credit came back
+        assert credits(rabbitmq_url, q.base) == bound  # every credit came back
 
 
 async def test_producing_handle(make_queue: MakeQueue) -> None:
@@ -195,7 +177,7 @@ async def test_producing_handle(make_queue: MakeQueue) -> None:
     with pytest.raises(RuntimeError):
         await p.put(b"after release")
     assert sorted([await q.get() for _ in range(3)]) == [b"0", b"1", b"2"]
-    assert await q.stats() == stats([b"0", b"1", b"2"], [b"0", b"1", b"2"])
+    assert await q.stats() == expected_stats([b"0", b"1", b"2"], [b"0", b"1", b"2"])
 
 
 async def test_put_nowait_full_and_in_use(make_queue: MakeQueue, rabbitmq_url: str) -> None:
@@ -219,8 +201,8 @@ async def test_put_nowait_full_and_in_use(make_queue: MakeQueue, rabbitmq_url: s
         with pytest.raises(errors.OperationTimeoutError):
             await other.put(b"x", timeout=0.3)
     # Nothing was put; the failed puts left the role and every credit in place.
-    assert await q.length() == 2 and credits(rabbitmq_url, q) == 0
-    assert await q.stats() == stats([b"1", b"2"], [])
+    assert await q.length() == 2 and credits(rabbitmq_url, q.base) == 0
+    assert await q.stats() == expected_stats([b"1", b"2"], [])
     assert no_role_held(rabbitmq_url, q)
 
 
@@ -241,7 +223,7 @@ async def test_get_on_an_empty_queue(make_queue: MakeQueue, rabbitmq_url: str) -
             await other.get_nowait()
         assert in_use.value.role == "consumer" and in_use.value.holder == "consumer-a"
     assert queue_info(rabbitmq_url, q.base) == (0, 0)  # no consumer left behind
-    assert await q.stats() == stats([], [])
+    assert await q.stats() == expected_stats([], [])
 
 
 async def test_operations_on_a_missing_queue(make_queue: MakeQueue, rabbitmq_url: str) -> None:
@@ -276,7 +258,7 @@ async def test_operations_on_a_missing_queue(make_queue: MakeQueue, rabbitmq_url
         with pytest.raises(errors.QueueDoesNotExistError):
             await operation()
         assert time.monotonic() - started < 1.0, f"{what} waited on a missing queue"
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 # ------------------------------------------------------------------------------------------
@@ -323,7 +305,7 @@ async def test_blocked_get_wakes_when_an_item_arrives(
     print(f"blocked get woke {latency * 1000:.1f} ms after the put started")
     assert latency < 1.0
     assert queue_info(rabbitmq_url, q.base) == (0, 0)
-    assert await q.stats() == stats([b"item"], [b"item"])
+    assert await q.stats() == expected_stats([b"item"], [b"item"])
 
 
 async def test_two_producers_on_separate_connections_serialize(make_queue: MakeQueue) -> None:
@@ -368,12 +350,12 @@ async def test_a_cancelled_wait_leaves_nothing_taken(
     await q.put(b"y")
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(q.put(b"z"), 0.3)
-    assert await q.length() == 1 and credits(rabbitmq_url, q) == 0
+    assert await q.length() == 1 and credits(rabbitmq_url, q.base) == 0
     assert await q.get() == b"y"
     await q.put(b"z", timeout=1)  # the credit came back, and is found again
     assert await q.get() == b"z"
     assert await q.dead_length() == 0
-    assert await q.stats() == stats([b"x", b"y", b"z"], [b"x", b"y", b"z"])
+    assert await q.stats() == expected_stats([b"x", b"y", b"z"], [b"x", b"y", b"z"])
     assert no_role_held(rabbitmq_url, q)
 
 
@@ -437,8 +419,8 @@ async def test_cancellation_at_any_moment_loses_nothing_with_receive(
 
     await asyncio.wait_for(asyncio.gather(produce(), consume()), 30)
     assert handled == [b"%03d" % i for i in range(count)]
-    assert await q.stats() == stats(handled, handled)
-    assert credits(rabbitmq_url, q) == 4
+    assert await q.stats() == expected_stats(handled, handled)
+    assert credits(rabbitmq_url, q.base) == 4
     assert no_role_held(rabbitmq_url, q)
 
 
@@ -460,9 +442,9 @@ async def test_receive_acks_on_success_and_puts_back_on_exception(
                 assert item == b"first"  # put back first in line
                 assert await q.length() == 1  # being received: not waiting
                 raise KeyError(item)
-    assert await q.stats() == stats([b"first", b"second"], [])
+    assert await q.stats() == expected_stats([b"first", b"second"], [])
     if bound:
-        assert credits(rabbitmq_url, q) == 0  # no credit for a failed receive
+        assert credits(rabbitmq_url, q.base) == 0  # no credit for a failed receive
     async with q.receive() as item:
         assert item == b"first"
     async with q.consuming() as c:
@@ -472,9 +454,9 @@ async def test_receive_acks_on_success_and_puts_back_on_exception(
         async with c.receive() as item:
             assert item == b"second"
     assert await q.length() == 0
-    assert await q.stats() == stats([b"first", b"second"], [b"first", b"second"])
+    assert await q.stats() == expected_stats([b"first", b"second"], [b"first", b"second"])
     if bound:
-        assert credits(rabbitmq_url, q) == bound
+        assert credits(rabbitmq_url, q.base) == bound
 
 
 @pytest.mark.parametrize("bound", [0, 5])
@@ -500,7 +482,7 @@ async def test_close_lets_consumers_drain_then_fails(make_queue: MakeQueue, boun
         assert time.monotonic() - started < 1.0
     async with q.consuming() as c:
         assert [item async for item in c] == []
-    assert await q.stats() == stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
+    assert await q.stats() == expected_stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
 
 
 async def test_iteration_waits_for_items_until_close(make_queue: MakeQueue) -> None:
@@ -537,10 +519,10 @@ async def test_delete_wakes_a_blocked_get_and_a_blocked_put(
     elapsed = time.monotonic() - started
     print(f"delete woke both and finished in {elapsed * 1000:.1f} ms")
     assert elapsed < 1.0
-    assert_gone(rabbitmq_url, full)
-    assert_gone(rabbitmq_url, empty)
+    assert_pressure_gone(rabbitmq_url, full.base)
+    assert_pressure_gone(rabbitmq_url, empty.base)
     await empty.create(1)  # a fresh start
-    assert await empty.stats() == stats([], [])
+    assert await empty.stats() == expected_stats([], [])
 
 
 async def test_delete_waits_for_a_role_holder(make_queue: MakeQueue, rabbitmq_url: str) -> None:
@@ -554,7 +536,7 @@ async def test_delete_waits_for_a_role_holder(make_queue: MakeQueue, rabbitmq_ur
         with pytest.raises(errors.QueueDoesNotExistError):
             await c.get_nowait()
     await q.delete(timeout=5)  # finishes the delete that stopped midway
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 async def test_a_put_into_a_vanished_data_queue_fails(
@@ -570,7 +552,7 @@ async def test_a_put_into_a_vanished_data_queue_fails(
         with pytest.raises(errors.QueueDoesNotExistError):
             await p.put(b"b")
     await q.delete(timeout=5)
-    assert_gone(rabbitmq_url, q)
+    assert_pressure_gone(rabbitmq_url, q.base)
 
 
 async def test_closing_the_connection_wakes_blocked_calls(
@@ -600,7 +582,7 @@ async def test_closing_the_connection_wakes_blocked_calls(
     assert await q.get(timeout=5) == b"x"
     await q.put(b"z", timeout=5)
     assert await q.get(timeout=5) == b"z"
-    assert await q.stats() == stats([b"x", b"z"], [b"x", b"z"])
+    assert await q.stats() == expected_stats([b"x", b"z"], [b"x", b"z"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -626,7 +608,7 @@ async def test_delivery_limit_dead_letters_and_kick_gives_a_fresh_count(
     assert await q.dead_length() == 0
     assert await q.get() == b"next"  # the third delivery of poison: dead-lettered on the way
     assert await q.dead_length() == 1 and await q.length() == 0
-    assert credits(rabbitmq_url, q) == 4  # a dead item gives its place back
+    assert credits(rabbitmq_url, q.base) == 4  # a dead item gives its place back
     await q.put(b"tail")
     assert await q.kick(5) == 1
     assert await q.dead_length() == 0 and await q.length() == 2
@@ -639,8 +621,10 @@ async def test_delivery_limit_dead_letters_and_kick_gives_a_fresh_count(
     async with q.producing() as p:
         assert await p.kick() == 1
     assert await q.get() == b"poison"
-    assert await q.stats() == stats([b"poison", b"next", b"tail"], [b"next", b"tail", b"poison"])
-    assert credits(rabbitmq_url, q) == 4
+    assert await q.stats() == expected_stats(
+        [b"poison", b"next", b"tail"], [b"next", b"tail", b"poison"]
+    )
+    assert credits(rabbitmq_url, q.base) == 4
 
 
 async def test_peek_leaves_the_item(make_queue: MakeQueue) -> None:
@@ -656,7 +640,7 @@ async def test_peek_leaves_the_item(make_queue: MakeQueue) -> None:
     # Four looks, and still its first delivery: not dead-lettered under a limit of 1.
     assert await q.get() == b"oldest"
     assert await q.dead_length() == 0
-    assert await q.stats() == stats([b"oldest", b"newer"], [b"oldest"])
+    assert await q.stats() == expected_stats([b"oldest", b"newer"], [b"oldest"])
 
 
 async def test_replicated_queue_keeps_fifo_when_an_item_is_put_back(
@@ -676,8 +660,8 @@ async def test_replicated_queue_keeps_fifo_when_an_item_is_put_back(
         assert await c.get() == b"1"  # put back first in line
     await q.close()
     assert [item async for item in q] == [b"2", b"3"]
-    assert await q.stats() == stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
-    assert credits(rabbitmq_url, q) == 3
+    assert await q.stats() == expected_stats([b"1", b"2", b"3"], [b"1", b"2", b"3"])
+    assert credits(rabbitmq_url, q.base) == 3
 
 
 # ------------------------------------------------------------------------------------------
@@ -744,7 +728,7 @@ async def test_bad_inputs_change_nothing(make_queue: MakeQueue, rabbitmq_url: st
     # Nothing was put, taken, closed or deleted; no role or credit was left held.
     assert await q.exists() and not await q.closed()
     assert await q.stats() == before
-    assert await q.length() == 1 and credits(rabbitmq_url, q) == 1
+    assert await q.length() == 1 and credits(rabbitmq_url, q.base) == 1
     assert no_role_held(rabbitmq_url, q)
     assert not declared_queues(rabbitmq_url, pressure_queues(f"{q.base[: -len(q.name)]}other"))
 
@@ -782,4 +766,4 @@ async def test_put_many_get_many(make_queue: MakeQueue) -> None:
         assert await c.get_many(5) == [b"e"]
         with pytest.raises(errors.QueueClosedError):
             await c.get_many(5)
-    assert await q.stats() == stats([b"a", b"b", b"c", b"e"], [b"a", b"b", b"c", b"e"])
+    assert await q.stats() == expected_stats([b"a", b"b", b"c", b"e"], [b"a", b"b", b"c", b"e"])

@@ -21,7 +21,11 @@ from typing import Any
 import _pressure_workers as W
 import pika
 import pytest
-from helpers import declared_queues, existing_queues, pressure_queues
+from helpers import (
+    existing_queues,
+    pressure_queues,
+    queue_info,
+)
 from processes import children, join_all, read_json, start, wait_paths
 
 from amqp_locks import PressureQueue, errors
@@ -76,12 +80,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, procs: Sequence[Any]
         assert not dead, f"workers {dead} exited early"
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.005)
-
-
-def queue_info(url: str, queue: str) -> tuple[int, int]:
-    info = declared_queues(url, [queue]).get(queue)
-    assert info is not None, f"{queue} missing"
-    return info
 
 
 def drain(q: PressureQueue) -> list[bytes]:
