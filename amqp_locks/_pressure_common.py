@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,8 +21,6 @@ from .errors import (
     QueueFullError,
     SemaphoreNotFoundError,
 )
-
-ROLES = ("producer", "consumer")
 
 
 def resolve_prefix(prefix: str | None) -> str:
@@ -69,13 +66,6 @@ def role_error(names: P.PressureNames, role: str, what: str, exc: BaseException)
 
 def role_lost(names: P.PressureNames, role: str, reason: str | None) -> LockLostError:
     return LockLostError(f"{names.name} ({role} role)", 1, reason or "the role's lease was lost")
-
-
-def holder_id(client_id: str | None, connection_id: str) -> str:
-    """The id recorded for a role holder: ``client_id``, else ``host:pid:thread``."""
-    if client_id is not None:
-        return client_id
-    return f"{connection_id}:{threading.current_thread().name}"
 
 
 @dataclass(frozen=True)

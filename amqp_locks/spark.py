@@ -400,7 +400,6 @@ ENCODINGS = ("bytes", "json")
 
 # Every enveloped item starts with these bytes (the header's first key, version 1).
 _ENVELOPE_START = b'{"pipe":1,'
-_DEFAULT_PRESSURE_PREFIX = "__pressure__"  # as documented for PressureQueue (docs/pressure.md)
 
 
 class PipeFormatError(errors.AmqpLocksError, ValueError):
@@ -501,8 +500,9 @@ class Pipe:
                 f"got {self.url!r}"
             )
         if self.prefix is None:
-            prefix = os.environ.get("PRESSURE_PREFIX", _DEFAULT_PRESSURE_PREFIX)
-            object.__setattr__(self, "prefix", prefix)
+            # Resolved here, on the driver, as PressureQueue resolves it (no I/O: the queue's
+            # connection opens lazily and is never used).
+            object.__setattr__(self, "prefix", PressureQueue(self.name, url=self.url).prefix)
         if self.encoding not in ENCODINGS:
             raise errors.InvalidArgumentError(
                 f"encoding must be one of {', '.join(map(repr, ENCODINGS))}, got {self.encoding!r}"

@@ -363,7 +363,8 @@ class PressureQueue:
         heartbeat: int = 10,
         connect_timeout: float = 5.0,
     ) -> None:
-        self._names = P.PressureNames.of(name, resolve_prefix(prefix))
+        self._prefix = resolve_prefix(prefix)
+        self._names = P.PressureNames.of(name, self._prefix)
         self._client_id = check_client_id(client_id)
         self._policy = P.Policy()
         self.connection, self._owns_connection = adopt_connection(
@@ -380,6 +381,11 @@ class PressureQueue:
     @property
     def name(self) -> str:
         return self._names.name
+
+    @property
+    def prefix(self) -> str:
+        """The prefix in use: the argument, else ``$PRESSURE_PREFIX``, else ``__pressure__``."""
+        return self._prefix
 
     @property
     def base(self) -> str:

@@ -12,11 +12,10 @@ from typing import Any, TypeVar, cast
 from .. import _flows
 from .. import _pressure as P
 from .. import _pressure_common as C
-from .._common import adopt_connection
+from .._common import adopt_connection, holder_thread_id
 from .._pressure_common import (
     Deadline,
     check_client_id,
-    holder_id,
     resolve_prefix,
     role_error,
     role_lost,
@@ -310,7 +309,8 @@ class PressureQueue:
         heartbeat: int = 10,
         connect_timeout: float = 5.0,
     ) -> None:
-        self._names = P.PressureNames.of(name, resolve_prefix(prefix))
+        self._prefix = resolve_prefix(prefix)
+        self._names = P.PressureNames.of(name, self._prefix)
         self._client_id = check_client_id(client_id)
         self._policy = P.Policy()
         self.connection, self._owns_connection = adopt_connection(
@@ -329,12 +329,20 @@ class PressureQueue:
         return self._names.name
 
     @property
+    def prefix(self) -> str:
+        """The prefix in use: the argument, else ``$PRESSURE_PREFIX``, else ``__pressure__``."""
+        return self._prefix
+
+    @property
     def base(self) -> str:
         """The prefixed name: the data queue's name, and the stem of every other queue."""
         return self._names.base
 
     def _holder(self) -> str:
-        return holder_id(self._client_id, self.connection.client_id)
+        """The id recorded for a role holder: ``client_id``, else ``host:pid:thread``."""
+        if self._client_id is not None:
+            return self._client_id
+        return holder_thread_id(self.connection.client_id)
 
     def _run(self, flow: P.Flow[T], io: _IO | None = None, *, cancellable: bool = True) -> T:
         result, _ = self.connection._run(cast(_flows.Flow[T], flow), io=io, cancellable=cancellable)
