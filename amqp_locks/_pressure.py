@@ -170,6 +170,20 @@ class PressureNames:
         return f"{self.base}:lock"
 
     @property
+    def kept(self) -> tuple[str, ...]:
+        """The queues a delete removes only once both roles are free: the records, the
+        attempts record and the dead letters (the data and credits go first)."""
+        return (
+            self.produced,
+            self.producing,
+            self.consumed,
+            self.consuming,
+            self.credited,
+            self.attempts,
+            self.dead,
+        )
+
+    @property
     def producer(self) -> SemaphoreNames:
         return SemaphoreNames(f"{self.base}:producer")
 
@@ -596,17 +610,7 @@ def create(
         if any((yield from _flows.probe((names.producer.holder(1), names.consumer.holder(1))))):
             raise QueueAlreadyExistsError(names.name)
         # Whatever a delete that stopped midway left behind must not leak into the new queue.
-        for queue in (
-            names.data,
-            names.space,
-            names.produced,
-            names.producing,
-            names.consumed,
-            names.consuming,
-            names.credited,
-            names.attempts,
-            names.dead,
-        ):
+        for queue in (names.data, names.space, *names.kept):
             yield Delete(queue)
         yield from _ensure_role(names.producer, holder_id, policy)
         yield from _ensure_role(names.consumer, holder_id, policy)
@@ -661,15 +665,7 @@ def delete_begin(names: PressureNames, holder_id: str, policy: Policy) -> Flow[N
 def delete_end(names: PressureNames, holder_id: str, policy: Policy) -> Flow[None]:
     """With both roles held by the caller (or gone): delete every remaining part, unlock."""
     try:
-        for queue in (
-            names.produced,
-            names.producing,
-            names.consumed,
-            names.consuming,
-            names.credited,
-            names.attempts,
-            names.dead,
-        ):
+        for queue in names.kept:
             yield Delete(queue)
         for role in (names.producer, names.consumer):
             yield from _flows.destroy(role, holder_id=holder_id, policy=policy.semaphore)

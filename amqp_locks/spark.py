@@ -185,18 +185,8 @@ class Throttle:
     verify_interval: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise errors.InvalidArgumentError(
-                f"Throttle needs the broker URL as a str (executors do not read $AMQP_URL), "
-                f"got {self.url!r}"
-            )
-        timeout = self.timeout
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
-        ):
-            raise errors.InvalidArgumentError(
-                f"timeout must be None or a number >= 0 (seconds), got {timeout!r}"
-            )
+        _check_url(self.url, "Throttle")
+        _check_timeout(self.timeout, "timeout")
         # Building them validates the URL, the name and the settings; no I/O happens here.
         Semaphore(self.name, namespace=self.namespace, connection=self._new_connection())
 
@@ -494,11 +484,7 @@ class Pipe:
     verify_interval: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise errors.InvalidArgumentError(
-                f"Pipe needs the broker URL as a str (executors do not read $AMQP_URL), "
-                f"got {self.url!r}"
-            )
+        _check_url(self.url, "Pipe")
         if self.prefix is None:
             # Resolved here, on the driver, as PressureQueue resolves it (no I/O: the queue's
             # connection opens lazily and is never used).
@@ -1095,6 +1081,13 @@ def _split_envelope(name: str, body: bytes) -> tuple[dict[str, Any], bytes]:
     ):
         raise PipeFormatError(name, f"an item's envelope is malformed: {body[:end]!r}")
     return header, body[end + 1 :]
+
+
+def _check_url(url: object, who: str) -> None:
+    if not isinstance(url, str):
+        raise errors.InvalidArgumentError(
+            f"{who} needs the broker URL as a str (executors do not read $AMQP_URL), got {url!r}"
+        )
 
 
 def _check_timeout(value: object, what: str) -> None:
