@@ -58,3 +58,14 @@ def broker(url: str | None) -> Iterator[tuple[str, str]]:
         progress("starting a private RabbitMQ node (LocalBroker)")
         with LocalBroker() as node:
             yield node.url, "private LocalBroker"
+
+
+def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], aligned: str) -> str:
+    """A plain-text table; ``aligned`` has one of ``<`` or ``>`` per column."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(row, aligned, widths)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])

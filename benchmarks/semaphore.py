@@ -53,7 +53,7 @@ from multiprocessing.synchronize import Barrier as MPBarrier
 from typing import Any
 
 import pika
-from _common import broker, percentile, progress, summary, version_of
+from _common import broker, percentile, progress, summary, table, version_of
 
 import amqp_locks
 from amqp_locks import Semaphore, SemaphoreAdmin, redact_url
@@ -404,15 +404,7 @@ def format_table(metrics: dict[str, float], passed: dict[str, bool]) -> str:
             )
         else:
             rows.append((metric, shown, "-", "-", "-"))
-    header = ("metric", "value", "target", "ratio", "result")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    aligned = ("<", ">", "<", ">", "<")
-
-    def line(row: tuple[str, ...]) -> str:
-        return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(row, aligned, widths)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+    return table(("metric", "value", "target", "ratio", "result"), rows, "<><><")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pika
-from _common import broker, percentile, progress, summary, version_of
+from _common import broker, percentile, progress, summary, table, version_of
 
 import amqp_locks
 from amqp_locks import SemaphoreAdmin, redact_url
@@ -125,15 +125,7 @@ def format_table(metrics: dict[str, float], passed: bool) -> str:
         else:
             target, result = "-", "-"
         rows.append((metric, f"{value:.3f} ms", target, result))
-    header = ("metric", "value", "target", "result")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    aligned = ("<", ">", "<", "<")
-
-    def line(row: tuple[str, ...]) -> str:
-        return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(row, aligned, widths)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+    return table(("metric", "value", "target", "result"), rows, "<><<")
 
 
 # ---------------------------------------------------------------------------------------------
