@@ -1151,9 +1151,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     def command(
-        name: str, handler: Callable[[argparse.Namespace], int], help_text: str
+        name: str,
+        handler: Callable[[argparse.Namespace], int],
+        help_text: str,
+        group: argparse._SubParsersAction[argparse.ArgumentParser] = commands,
     ) -> argparse.ArgumentParser:
-        sub = commands.add_parser(
+        sub = group.add_parser(
             name,
             parents=[common],
             help=help_text,
@@ -1288,15 +1291,7 @@ def build_parser() -> argparse.ArgumentParser:
     def queue_action(
         name: str, handler: Callable[[argparse.Namespace], int], help_text: str
     ) -> argparse.ArgumentParser:
-        sub = queue_actions.add_parser(
-            name,
-            parents=[common],
-            help=help_text,
-            description=help_text,
-            epilog=EXIT_CODES_HELP,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        sub.set_defaults(handler=handler, parser=sub)
+        sub = command(name, handler, help_text, queue_actions)
         sub.add_argument("name", metavar="NAME", help="the queue's name")
         sub.add_argument(
             "--prefix",
