@@ -160,7 +160,37 @@ class _Taking(Generic[H]):
         await self._handle.release()
 
 
-class Producing:
+class _Held:
+    """What both role handles share: the role, and giving it back."""
+
+    _role: _Role
+
+    @property
+    def held(self) -> bool:
+        """Whether the role is still held (False once released, lost, or given up)."""
+        return not self._role.done and self._role.lease.held
+
+    async def release(self) -> None:
+        """Give the role back (an item taken by an open ``receive`` goes back first).
+        Idempotent; safe under cancellation."""
+        await self._role.finish()
+
+    async def __aenter__(self: _H) -> _H:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()
+
+
+_H = TypeVar("_H", bound=_Held)
+
+
+class Producing(_Held):
     """The producer role of a pressure queue, held: from :meth:`PressureQueue.producing`.
 
     ::
@@ -215,28 +245,8 @@ class Producing:
         """The queue's bound (0: unbounded)."""
         return self._state.record.bound
 
-    @property
-    def held(self) -> bool:
-        """Whether the role is still held (False once released or lost)."""
-        return not self._role.done and self._role.lease.held
 
-    async def release(self) -> None:
-        """Give the role back. Idempotent; safe under cancellation."""
-        await self._role.finish()
-
-    async def __aenter__(self) -> Producing:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.release()
-
-
-class Consuming:
+class Consuming(_Held):
     """The consumer role of a pressure queue, held: from :meth:`PressureQueue.consuming`.
 
     ::
@@ -310,26 +320,6 @@ class Consuming:
             except QueueClosedError:
                 return
             yield item
-
-    @property
-    def held(self) -> bool:
-        """Whether the role is still held (False once released or lost)."""
-        return not self._role.done and self._role.lease.held
-
-    async def release(self) -> None:
-        """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        await self._role.finish()
-
-    async def __aenter__(self) -> Consuming:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.release()
 
 
 class PressureQueue:

@@ -98,7 +98,37 @@ class _Role:
             self.lease.release()
 
 
-class Producing:
+class _Held:
+    """What both role handles share: the role, and giving it back."""
+
+    _role: _Role
+
+    @property
+    def held(self) -> bool:
+        """Whether the role is still held (False once released, lost, or given up)."""
+        return not self._role.done and self._role.lease.held
+
+    def release(self) -> None:
+        """Give the role back (an item taken by an open ``receive`` goes back first).
+        Idempotent."""
+        self._role.finish()
+
+    def __enter__(self: _H) -> _H:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+_H = TypeVar("_H", bound=_Held)
+
+
+class Producing(_Held):
     """The producer role of a pressure queue, held: from :meth:`PressureQueue.producing`.
 
     ::
@@ -158,28 +188,8 @@ class Producing:
         """The queue's bound (0: unbounded)."""
         return self._state.record.bound
 
-    @property
-    def held(self) -> bool:
-        """Whether the role is still held (False once released or lost)."""
-        return not self._role.done and self._role.lease.held
 
-    def release(self) -> None:
-        """Give the role back. Idempotent."""
-        self._role.finish()
-
-    def __enter__(self) -> Producing:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-class Consuming:
+class Consuming(_Held):
     """The consumer role of a pressure queue, held: from :meth:`PressureQueue.consuming`.
 
     ::
@@ -250,25 +260,6 @@ class Consuming:
                 yield self.get()
             except QueueClosedError:
                 return
-
-    @property
-    def held(self) -> bool:
-        return not self._role.done and self._role.lease.held
-
-    def release(self) -> None:
-        """Give the role back (an item taken by an open ``receive`` goes back). Idempotent."""
-        self._role.finish()
-
-    def __enter__(self) -> Consuming:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 class PressureQueue:
